@@ -1,0 +1,39 @@
+"""User-facing errors: one line naming the thing and the fix, exit code 2, nothing half-written."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, TypeVar
+
+EXIT_USER_ERROR = 2
+
+F = TypeVar("F", bound=Callable[..., int | None])
+
+
+class UserError(Exception):
+    """A mistake the user can fix (recipe, data file, checkpoint, world size).
+
+    The message is a single line: what is wrong, where, and how to fix it.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+def cli_main(fn: F) -> F:
+    """Wrap a tool's main(): a UserError becomes one line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            code = fn(*args, **kwargs)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(EXIT_USER_ERROR) from None
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise SystemExit(130) from None
+        raise SystemExit(code or 0)
+
+    return wrapper  # type: ignore[return-value]

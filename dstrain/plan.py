@@ -1,0 +1,158 @@
+"""The resolved plan of a recipe: world layout, target, drafter, data and a per-rank memory estimate.
+
+Built without loading weights (target sizes come from a meta-device instantiation), so
+`main.py RECIPE --dry-run` works for a 1.6 T-parameter target on a laptop. Layout checks that
+need the target's sizes (experts divisible by ep, heads by tp, layers by pp, capture layers in
+range) run here too, so every impossible combination is rejected before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dstrain.errors import UserError
+from dstrain.recipe import Recipe
+from dstrain.target.base import default_capture_layers
+from dstrain.target.configs import TargetSizes, resolve_config, size_target
+
+GiB = 1024**3
+BYTES = {"float32": 4, "bfloat16": 2, "fp32": 4, "bf16": 2}
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    source: str
+    sizes: TargetSizes
+    capture_layers: list[int]
+    drafter_params: int
+    memory: dict[str, dict[str, float]]
+
+
+def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
+    t = recipe.world.target
+    if sizes.num_experts and sizes.num_experts % t.ep:
+        raise UserError(f"world.target.ep={t.ep} does not divide the target's {sizes.num_experts} experts")
+    if not sizes.num_experts and t.ep > 1:
+        raise UserError(f"world.target.ep={t.ep} but the target is dense (no experts): set ep=1")
+    if sizes.num_heads % t.tp:
+        raise UserError(f"world.target.tp={t.tp} does not divide the target's {sizes.num_heads} attention heads")
+    if sizes.num_layers % t.pp:
+        raise UserError(f"world.target.pp={t.pp} does not divide the target's {sizes.num_layers} layers")
+
+
+def drafter_param_estimate(recipe: Recipe, d: int, vocab: int, heads: int, kv_heads: int, inter: int, m: int) -> int:
+    """Trainable drafter parameters from the recipe (embedding and LM head are the target's, frozen)."""
+    dr = recipe.drafter
+    h = dr.num_heads or heads
+    hd = dr.head_dim or d // heads
+    kvh = min(kv_heads, h)
+    attn = d * h * hd + 2 * d * kvh * hd + h * hd * d + 2 * d  # q, k, v, o and two norms
+    ffn_i = dr.ffn.intermediate_size or inter
+    expert = 3 * d * ffn_i
+    if dr.ffn.type == "moe":
+        ffn = dr.ffn.num_experts * expert + d * dr.ffn.num_experts + (expert if dr.ffn.shared_expert else 0)
+    else:
+        ffn = expert
+    mhc = 2 * d * dr.mhc.streams * (dr.mhc.streams + 2) if dr.mhc.enabled else 0  # dynamic pre/post/res mixes per sublayer
+    layers = dr.num_layers * (attn + ffn + mhc)
+    fusion = m * d * d + d  # concat(m layers) -> d, RMSNorm
+    if dr.type == "mtp":
+        fusion = 2 * d * d + 2 * d  # eh_proj over [norm(emb); norm(h)] and two norms
+    r = dr.head_rank
+    head = {"markov": 2 * vocab * r, "rnn": vocab * r + (2 * r + d) * 3 * r + r * vocab, "none": 0}[dr.head]
+    conf = d + r + 1 if dr.confidence else 0
+    return layers + fusion + head + conf + d  # + final norm
+
+
+def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: int) -> dict[str, dict[str, float]]:
+    """Bytes per rank (GiB), a planning estimate: weights exactly, activations by formula."""
+    t, ds = recipe.world.target, recipe.deepspeed
+    wbytes = BYTES[recipe.target.dtype]
+    dense = sizes.params - sizes.expert_params
+    target_w = (dense / (t.tp * t.pp) + sizes.expert_params / (t.ep * t.pp)) * wbytes
+    seq, mb, d = recipe.data.max_length, recipe.train.micro_batch_size, sizes.hidden_size
+    # inference only: the residual stream, one layer's working set (~4d wide MLP/attention tensors), the captured layers.
+    target_act = mb * seq * d * wbytes * (m + 1 + 6) / t.tp
+    gamma, win, k = recipe.drafter.block_size, recipe.drafter.sliding_window or seq, recipe.anchors.per_sequence
+    blocks = mb * min(k, seq)
+    pbytes = BYTES[ds.precision]
+    n = recipe.world.drafter_ranks
+    # (weights, grads, optimizer incl. fp32 master) partition factors per ZeRO stage
+    shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[ds.zero_stage]
+    params_b = drafter_params * pbytes / shard[0]
+    grads_b = drafter_params * pbytes / shard[1]
+    master = 4 if ds.precision == "bf16" else 0
+    optim_b = drafter_params * (8 + master) / shard[2]  # Adam m, v (+ fp32 master weights) in fp32
+    frozen = sizes.vocab_size * d * wbytes * (1 if sizes.tied_embeddings else 2)
+    tokens = blocks * gamma
+    vocab_chunk = min(sizes.vocab_size, 8192)
+    drafter_act = recipe.drafter.num_layers * tokens * d * pbytes * 12 + tokens * (win + gamma) * 4 + tokens * vocab_chunk * 4 * 3
+    # streamed rows are deduplicated per sequence: overlapping windows share their context rows
+    context_rows = mb * min(seq, min(k, seq) * min(win, seq))
+    incoming = (context_rows * m + blocks * gamma) * d * wbytes
+    return {
+        "target rank": {"weights": target_w / GiB, "activations": target_act / GiB},
+        "drafter rank": {
+            "params": params_b / GiB, "grads": grads_b / GiB, "optimizer+master": optim_b / GiB,
+            "frozen embed+lm_head": frozen / GiB, "activations": drafter_act / GiB, "streamed features": incoming / GiB,
+        },
+    }
+
+
+def build_plan(recipe: Recipe) -> Plan:
+    cfg, source = resolve_config(recipe.target)
+    sizes = size_target(cfg)
+    check_layout(recipe, sizes)
+    capture = recipe.target.capture_layers or default_capture_layers(sizes.num_layers, recipe.target.num_capture)
+    bad = [i for i in capture if not 0 <= i < sizes.num_layers]
+    if bad:
+        raise UserError(f"target.capture_layers {bad} out of range: the target has layers 0..{sizes.num_layers - 1}")
+    inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None) or 4 * sizes.hidden_size
+    dparams = drafter_param_estimate(recipe, sizes.hidden_size, sizes.vocab_size, sizes.num_heads, sizes.num_kv_heads, inter, len(capture))
+    return Plan(recipe, source, sizes, list(capture), dparams, memory_estimate(recipe, sizes, dparams, len(capture)))
+
+
+def _n(x: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= div:
+            return f"{x / div:.2f}{unit}"
+    return str(int(x))
+
+
+def _gib(x: float) -> str:
+    return f"{x:.2f} GiB" if x >= 1 else f"{x * 1024:.1f} MiB"
+
+
+def format_plan(plan: Plan, recipe_path: str) -> str:
+    r, s = plan.recipe, plan.sizes
+    w, t, ds, dr = r.world, r.world.target, r.deepspeed, r.drafter
+    lines = [f"dstrain plan for {recipe_path} (dry run: no weights loaded)"]
+    add = lines.append
+    add(f"  run      name={r.run.name} seed={r.run.seed} output={r.run.output_dir}/{r.run.name} wandb={r.run.wandb_mode} project={r.run.wandb_project}")
+    if w.mode == "colocated":
+        add(f"  world    colocated: {w.world_size} rank(s), each a full target replica + a drafter replica; DeepSpeed ZeRO-{ds.zero_stage} {ds.precision}")
+    else:
+        nt = t.ranks
+        add(f"  world    disaggregated: {w.world_size} ranks = target ranks 0..{nt - 1} (tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp})"
+            f" + drafter ranks {nt}..{w.world_size - 1} (DeepSpeed ZeRO-{ds.zero_stage} {ds.precision})")
+        add(f"           routing: target replica i streams to drafter ranks {{j : j mod {t.dp} = i}} ({w.drafter_ranks} drafter ranks / {t.dp} replicas)")
+    moe = f", {s.num_experts} experts top-{s.experts_per_token}" if s.num_experts else ", dense"
+    add(f"  target   {r.target.name} [backend={r.target.backend}, {r.target.dtype}] from {plan.source}")
+    add(f"           {_n(s.params)} params ({_n(s.active_params)} active), {s.num_layers} layers, d={s.hidden_size}, vocab={s.vocab_size}{moe}")
+    add(f"           capture layers {plan.capture_layers} + final pre-LM-head states")
+    ffn = "dense" if dr.ffn.type == "dense" else f"moe(E={dr.ffn.num_experts}, top-{dr.ffn.top_k}{', shared' if dr.ffn.shared_expert else ''}, {dr.ffn.balance})"
+    extras = [f"mHC n={dr.mhc.streams}" if dr.mhc.enabled else "", f"head={dr.head}(r={dr.head_rank})" if dr.head != "none" else "",
+              "confidence head" if dr.confidence else ""]
+    add(f"  drafter  {dr.type}: {dr.num_layers} layers, gamma={dr.block_size}, window={dr.sliding_window or 'full'}, ffn={ffn}"
+        + "".join(f", {e}" for e in extras if e))
+    add(f"           ~{_n(plan.drafter_params)} trainable params (estimate); embedding + LM head: the target's, frozen, not saved")
+    add(f"  loss     alpha_ce={r.loss.alpha_ce} alpha_tv={r.loss.alpha_tv} alpha_conf={r.loss.alpha_conf} gamma_decay={r.loss.gamma_decay}")
+    add(f"  data     shards={r.data.shards} max_length={r.data.max_length} anchors/seq={r.anchors.per_sequence} shuffle={r.data.shuffle}")
+    add(f"  train    {r.train.steps} steps x micro-batch {r.train.micro_batch_size} x accum {r.train.grad_accum}; lr {r.train.lr:g}"
+        f" (warmup {r.train.warmup_steps}, cosine to {r.train.min_lr:g}); clip {r.train.clip_grad}; ckpt every {r.train.checkpoint_every} keep {r.train.keep_checkpoints}")
+    add("  memory per rank (estimate):")
+    for role, parts in plan.memory.items():
+        total = sum(parts.values())
+        add(f"           {role:<13} {_gib(total):>10} = " + " + ".join(f"{k} {_gib(v)}" for k, v in parts.items()))
+    return "\n".join(lines)

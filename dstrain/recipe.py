@@ -1,0 +1,303 @@
+"""Typed recipes: YAML → validated Recipe, with `a.b=c` overrides and one-line errors.
+
+Every section forbids unknown keys; a misspelled key is reported with its full path and the
+nearest valid key. Cross-field rules that no single field can express live in `_check_*`
+validators so that an impossible combination fails at load time with a reason.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dstrain.errors import UserError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------- run / world
+class RunConfig(Section):
+    name: str = "dstrain"
+    seed: int = 0
+    output_dir: str = "runs"
+    wandb_project: str = "dstrain"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+class TargetParallel(Section):
+    tp: int = Field(1, ge=1, description="tensor-parallel size")
+    pp: int = Field(1, ge=1, description="pipeline-parallel size")
+    ep: int = Field(1, ge=1, description="expert-parallel size (carved out of tp*dp)")
+    dp: int = Field(1, ge=1, description="data-parallel target replicas")
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class WorldConfig(Section):
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    target: TargetParallel = TargetParallel()
+    drafter_ranks: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        if self.mode == "colocated":
+            return self.target.ranks
+        return self.target.ranks + self.drafter_ranks
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> "WorldConfig":
+        t = self.target
+        if (t.tp * t.dp) % t.ep:
+            raise ValueError(f"target ep={t.ep} must divide tp*dp={t.tp * t.dp} (experts are spread over data/tensor ranks)")
+        if self.mode == "colocated" and (t.tp, t.pp) != (1, 1):
+            raise ValueError("colocated mode holds a whole target replica per rank: set world.target.tp=1 and pp=1, or mode=disaggregated")
+        if self.mode == "colocated" and self.drafter_ranks != t.dp:
+            raise ValueError(f"colocated mode runs one drafter per target replica: drafter_ranks ({self.drafter_ranks}) must equal target.dp ({t.dp})")
+        return self
+
+
+class DeepSpeedConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    precision: Literal["fp32", "bf16"] = "bf16"
+
+
+# ----------------------------------------------------------------------------- target
+class UpcycleConfig(Section):
+    num_experts: int = Field(8, ge=1)
+    top_k: int = Field(2, ge=1)
+    format: Literal["mixtral"] = "mixtral"
+    expert_noise: float = Field(0.0, ge=0.0, description="relative std of noise added per expert so routing matters")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_topk(self) -> "UpcycleConfig":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) cannot exceed num_experts ({self.num_experts})")
+        return self
+
+
+class TargetConfig(Section):
+    name: str
+    backend: Literal["hf", "megatron"] = "hf"
+    source: Literal["path", "smollm2_moe", "random"] = "path"
+    path: str | None = None
+    hf_config: dict[str, Any] | None = Field(
+        None, description="transformers config kwargs incl. model_type; builds a random target, or sizes the plan when the path is absent"
+    )
+    upcycle: UpcycleConfig | None = None
+    capture_layers: list[int] | None = Field(None, description="target layers whose outputs feed the drafter; default: evenly spaced")
+    num_capture: int = Field(3, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _check_source(self) -> "TargetConfig":
+        if self.source == "path" and not self.path:
+            raise ValueError("source=path needs target.path (a local Hugging Face folder)")
+        if self.source == "random" and not (self.hf_config and "model_type" in self.hf_config):
+            raise ValueError("source=random needs target.hf_config with a model_type")
+        if self.source == "smollm2_moe" and self.upcycle is None:
+            self.upcycle = UpcycleConfig()
+        if self.source != "smollm2_moe" and self.upcycle is not None:
+            raise ValueError("target.upcycle applies only to source=smollm2_moe (use tools/upcycle_moe.py for other models)")
+        if self.capture_layers is not None:
+            if not self.capture_layers or len(set(self.capture_layers)) != len(self.capture_layers):
+                raise ValueError("capture_layers must be a non-empty list of distinct layer indices")
+        return self
+
+
+# ----------------------------------------------------------------------------- drafter
+class FFNConfig(Section):
+    type: Literal["dense", "moe"] = "dense"
+    intermediate_size: int | None = Field(None, ge=1, description="default: the target's (per-expert for moe)")
+    num_experts: int = Field(8, ge=1)
+    top_k: int = Field(2, ge=1)
+    shared_expert: bool = False
+    balance: Literal["aux_loss", "bias_update"] = "aux_loss"
+    aux_loss_coef: float = Field(0.01, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check_topk(self) -> "FFNConfig":
+        if self.type == "moe" and self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) cannot exceed num_experts ({self.num_experts})")
+        return self
+
+
+class MHCConfig(Section):
+    enabled: bool = False
+    streams: int = Field(4, ge=2)
+    sinkhorn_iters: int = Field(20, ge=1)
+
+
+class DrafterConfig(Section):
+    type: Literal["dspark", "dflash", "eagle3", "mtp"] = "dspark"
+    num_layers: int = Field(5, ge=1)
+    block_size: int = Field(7, ge=1, description="gamma: anchor + gamma-1 mask tokens")
+    sliding_window: int | None = Field(None, ge=1, description="context tokens visible before the anchor")
+    num_heads: int | None = Field(None, ge=1, description="default: the target's")
+    head_dim: int | None = Field(None, ge=1)
+    ffn: FFNConfig = FFNConfig()
+    mhc: MHCConfig = MHCConfig()
+    head: Literal["markov", "rnn", "none"] = "markov"
+    head_rank: int = Field(256, ge=1, description="r of the Markov/RNN head")
+    confidence: bool = True
+
+    @model_validator(mode="after")
+    def _check_family(self) -> "DrafterConfig":
+        if self.type == "dspark" and self.head == "none":
+            raise ValueError("drafter.type=dspark needs a sequential head (head=markov or rnn); head=none is dflash")
+        if self.type != "dspark" and (self.head != "none" or self.confidence):
+            raise ValueError(f"drafter.type={self.type} has no sequential or confidence head: set drafter.head=none and drafter.confidence=false")
+        if self.type == "mtp" and self.block_size != 1:
+            raise ValueError("drafter.type=mtp proposes one token: set drafter.block_size=1")
+        return self
+
+
+class LossConfig(Section):
+    alpha_ce: float = Field(0.1, ge=0.0)
+    alpha_tv: float = Field(0.9, ge=0.0)
+    alpha_conf: float = Field(1.0, ge=0.0)
+    gamma_decay: float = Field(4.0, gt=0.0, description="position weights exp(-(k-1)/gamma_decay)")
+
+
+class AnchorConfig(Section):
+    per_sequence: int = Field(512, ge=1, description="K anchors sampled per sequence (without replacement)")
+
+
+# ----------------------------------------------------------------------------- data / train
+class DataConfig(Section):
+    shards: str = Field(..., description="folder holding manifest.json and the .tar shards")
+    max_length: int = Field(2048, ge=2)
+    shuffle: bool = True
+
+
+class TrainConfig(Section):
+    steps: int = Field(1000, ge=1)
+    micro_batch_size: int = Field(4, ge=1, description="sequences per micro-batch per drafter rank")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(6e-4, gt=0.0)
+    min_lr: float = Field(6e-5, ge=0.0)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    clip_grad: float = Field(1.0, gt=0.0)
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(200, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+
+
+class Recipe(Section):
+    run: RunConfig = RunConfig()
+    world: WorldConfig = WorldConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    target: TargetConfig
+    drafter: DrafterConfig = DrafterConfig()
+    loss: LossConfig = LossConfig()
+    anchors: AnchorConfig = AnchorConfig()
+    data: DataConfig
+    train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _check_cross(self) -> "Recipe":
+        if self.loss.alpha_conf > 0 and not self.drafter.confidence:
+            raise ValueError("loss.alpha_conf > 0 needs drafter.confidence=true (or set loss.alpha_conf=0)")
+        if self.loss.alpha_ce + self.loss.alpha_tv + self.loss.alpha_conf <= 0:
+            raise ValueError("all loss weights are zero: nothing to train")
+        if self.data.max_length < self.drafter.block_size + 1:
+            raise ValueError(f"data.max_length ({self.data.max_length}) must exceed drafter.block_size ({self.drafter.block_size})")
+        if self.train.warmup_steps > self.train.steps:
+            raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
+        if self.train.min_lr > self.train.lr:
+            raise ValueError("train.min_lr must not exceed train.lr")
+        return self
+
+
+# ----------------------------------------------------------------------------- loading
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise UserError(f"override {dotted}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def apply_overrides(tree: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=c` overrides; c is parsed as a YAML scalar/list so types are checked by the schema."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise UserError(f"override '{item}' is not of the form section.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_path(tree, key.strip(), value)
+    return tree
+
+
+def _model_at(path: tuple) -> type[BaseModel] | None:
+    """The pydantic model that owns the key at `path` (used to suggest the nearest valid key)."""
+    model: Any = Recipe
+    for part in path[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return model
+
+
+def _describe(err: dict) -> str:
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    key = ".".join(str(p) for p in loc)
+    if err["type"] == "extra_forbidden":
+        owner = _model_at(loc)
+        names = list(owner.model_fields) if owner else []
+        near = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.0) if names else []
+        hint = f" (did you mean '{'.'.join(map(str, loc[:-1] + (near[0],)))}'?)" if near else ""
+        return f"unknown key '{key}'{hint}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return f"missing required key '{key}'"
+    got = err.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+    return f"{key}: {msg}{shown}" if key else msg
+
+
+def parse_recipe(tree: dict, source: str = "<recipe>") -> Recipe:
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        more = f" [+{exc.error_count() - 1} more]" if exc.error_count() > 1 else ""
+        raise UserError(f"recipe {source}: {_describe(first)}{more}") from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe {path}: no such file (shipped recipes are in recipes/)")
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" line {where.line + 1}" if where else ""
+        raise UserError(f"recipe {path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(tree, dict):
+        raise UserError(f"recipe {path}: the top level must be a mapping of sections")
+    apply_overrides(tree, list(overrides or []))
+    return parse_recipe(tree, str(path))

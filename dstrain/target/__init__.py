@@ -1,0 +1,33 @@
+"""Frozen targets behind one protocol (see base.py)."""
+
+from __future__ import annotations
+
+from dstrain.target.base import TargetBackend, TargetOutput, default_capture_layers
+
+__all__ = ["TargetBackend", "TargetOutput", "default_capture_layers", "load_target", "target_folder"]
+
+
+def target_folder(target) -> str | None:
+    """The local Hugging Face folder holding this target's weights and tokenizer (built if needed)."""
+    if target.source == "path":
+        return target.path
+    if target.source == "smollm2_moe":
+        from dstrain.target import smollm2
+
+        up = target.upcycle
+        return str(smollm2.moe_folder(up.num_experts, up.top_k, up.expert_noise, up.seed))
+    return None
+
+
+def load_target(target, seed: int = 0) -> TargetBackend:
+    """Build the frozen target a recipe's `target` section describes."""
+    from dstrain.errors import UserError
+    from dstrain.target.hf import HFTarget, load_hf_model, random_model
+
+    if target.backend != "hf":
+        raise UserError(f"target.backend={target.backend}: not available yet in this build; use target.backend=hf")
+    if target.source == "random":
+        model = random_model(target.hf_config, seed, target.dtype)
+    else:
+        model = load_hf_model(target_folder(target), target.dtype)
+    return HFTarget(model, target.name, target.capture_layers, target.num_capture)

@@ -1,0 +1,100 @@
+"""Hugging Face backend: any transformers causal LM from a local folder (or a random tiny config).
+
+Capture uses forward hooks on the decoder layers, so one backend serves Llama, Mixtral,
+Qwen3-MoE, DeepSeek-V3 and DeepSeek-V4 without per-family code. The final states come from the
+base model's `last_hidden_state` (after the final norm: exactly what the LM head multiplies), so
+the LM head itself is never run on the target side.
+
+mHC targets (DeepSeek-V4) carry n residual streams between layers ([B, T, n, d]). A captured
+layer is read out through the model's own `hc_head` (the learned stream collapse it applies before
+its final norm); without one, the streams are averaged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dstrain.errors import UserError
+from dstrain.target.base import TargetOutput, default_capture_layers
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class HFTarget:
+    """A frozen transformers causal LM behind the TargetBackend protocol."""
+
+    def __init__(self, model: nn.Module, name: str, capture_layers: list[int] | None = None, num_capture: int = 3):
+        self.model = model.eval().requires_grad_(False)
+        self.name = name
+        cfg = model.config
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.num_layers = cfg.num_hidden_layers
+        layers = capture_layers if capture_layers is not None else default_capture_layers(self.num_layers, num_capture)
+        bad = [i for i in layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise UserError(f"target.capture_layers {bad} out of range: {name} has layers 0..{self.num_layers - 1}")
+        self.capture_layers = list(layers)
+        self._base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self._hc_head = getattr(self._base, "hc_head", None)
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self._base.norm
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def _readout(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() == 4:  # [B, T, n_streams, d]
+            return self._hc_head(hidden) if self._hc_head is not None else hidden.mean(dim=2)
+        return hidden
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        grabbed: dict[int, torch.Tensor] = {}
+        handles = []
+        layers = self._base.layers
+        for idx in self.capture_layers:
+            def hook(_mod, _inp, out, idx=idx):
+                grabbed[idx] = out[0] if isinstance(out, tuple) else out
+            handles.append(layers[idx].register_forward_hook(hook))
+        try:
+            out = self._base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        captured = torch.stack([self._readout(grabbed[i]) for i in self.capture_layers], dim=2)
+        return TargetOutput(captured=captured, final_hidden=out.last_hidden_state)
+
+    __call__ = forward
+
+
+def load_hf_model(folder: str | Path, dtype: str = "float32") -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"target.path {folder}: no config.json there (expected a Hugging Face model folder)")
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as exc:
+        raise UserError(f"target.path {folder}: cannot load the model ({str(exc).splitlines()[0]})") from None
+
+
+def random_model(hf_config: dict, seed: int, dtype: str = "float32") -> nn.Module:
+    """A randomly initialised model from config kwargs (tiny CI targets)."""
+    from transformers import AutoModelForCausalLM
+
+    from dstrain.target.configs import config_from_dict
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config_from_dict(hf_config)).to(DTYPES[dtype])
