@@ -1,0 +1,1 @@
+"""Data: prompts → regenerated conversations → token ids + loss masks → webdataset shards → loader."""
