@@ -33,8 +33,7 @@ dry-run: install
 	for r in recipes/*.yaml; do $(PY) dstrain/main.py $$r --dry-run > /dev/null || exit 1; echo "dry-run ok: $$r"; done
 
 demo: install
-	@echo "make demo: the training demo lands with the Drafters issue; the data pipeline demo runs now." >&2
-	$(PY) tools/data_demo.py
+	$(PY) tools/demo.py
 
 clean:
 	rm -rf $(VENV) .cache
