@@ -29,7 +29,7 @@ def read_records(path):
 
 
 def test_kill_and_resume(tmp_path, tiny_lm_dir):
-    prompts = write_prompts(tmp_path / "prompts.jsonl", 24)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 40)
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "tools/regenerate.py", "--prompts", prompts, "--out", out, "--target-dir", tiny_lm_dir,
            "--batch-size", "1", "--max-new-tokens", "24", "--temperature", "1.0", "--no-progress", "--target-name", "tiny"]
@@ -37,20 +37,20 @@ def test_kill_and_resume(tmp_path, tiny_lm_dir):
     proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 240
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 4):
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     done_before = out.read_text().count("\n")
-    assert 4 <= done_before < 24, "the run must be killed part-way"
+    assert 4 <= done_before < 40, "the run must be killed part-way"
     with open(out, "ab") as fh:  # a torn line, as a crash in the middle of a write leaves
-        fh.write(b'{"id": "p23", "messa')
+        fh.write(b'{"id": "p39", "messa')
     final = run_tool(*cmd[1:], timeout=300)
     stats = json.loads(final.stdout.splitlines()[0])
     assert stats["skipped_done"] == done_before and "malformed_json=1" in final.stdout
     recs = read_records(out)
     errors = [json.loads(l) for l in open(out.with_suffix(".errors.jsonl"))] if out.with_suffix(".errors.jsonl").exists() else []
     ids = [r["id"] for r in recs]
-    assert len(ids) == len(set(ids)) and len(ids) + len(errors) == 24
+    assert len(ids) == len(set(ids)) and len(ids) + len(errors) == 40
     for r in recs:
         n_user = sum(m["role"] == "user" for m in r["messages"])
         assert n_user == (2 if int(r["id"][1:]) % 3 == 0 else 1)

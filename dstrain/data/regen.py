@@ -156,11 +156,13 @@ def regenerate(prompts_path: str, out_path: str, generator, target_name: str, ba
         else:
             seen.add(rec["id"])
             prompts.append({**rec, "source": obj.get("source")})
+    if not prompts and report.total == 0:
+        raise UserError(f"{prompts_path}: no prompts in the file")
     done = finished_ids(out)
     pending = [p for p in prompts if p["id"] not in done][:limit]
     sampling = asdict(generator.sampling)
     out.parent.mkdir(parents=True, exist_ok=True)
-    stats = {"prompts": len(prompts), "skipped_done": len(prompts) - len([p for p in prompts if p["id"] not in done]),
+    stats = {"prompts": len(prompts), "skipped_done": sum(p["id"] in done for p in prompts),
              "written": 0, "failed": 0, "new_tokens": 0, "seconds": 0.0}
     bar = tqdm(total=len(pending), desc="regenerate", unit="conv", disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
@@ -208,6 +210,4 @@ def regenerate(prompts_path: str, out_path: str, generator, target_name: str, ba
     stats["seconds"] = time.perf_counter() - t0
     stats["tokens_per_s"] = stats["new_tokens"] / max(stats["seconds"], 1e-9)
     stats["bad_data"] = report.to_dict()
-    if not prompts and report.total == 0:
-        raise UserError(f"{prompts_path}: no prompts in the file")
     return stats
