@@ -1,0 +1,1 @@
+"""Drafter building blocks: packed block attention (more land with the Drafters issue)."""

@@ -1,0 +1,1 @@
+"""Training: losses (more land with the Drafters issue: trainer, DeepSpeed glue, checkpoints)."""

@@ -1,0 +1,121 @@
+"""Draft-vs-target divergences over the vocabulary, in chunks (paper §3.3).
+
+For each supervised position the draft distribution p_d = softmax(h_d·Wᵀ + a·W₂) (a = W₁[x_{k−1}], the
+Markov bias; absent for drafters without one) and the target distribution p_t = softmax(h_t·Wᵀ) are
+never materialised as [positions × V]: a custom autograd function makes two passes over vocabulary
+chunks (log-normalisers, then ‖p_d − p_t‖₁ and Σ p_d·sign(p_d − p_t)) and recomputes each chunk in
+backward. Peak memory is O(N × chunk), not O(N × V). Gradient of the L1 term with respect to the draft
+logits: ∂/∂U_v Σ|p_d − p_t| = p_d,v (s_v − Σ_u p_d,u s_u), s = sign(p_d − p_t). Probabilities are exact
+softmaxes (computed in fp32), which rejection sampling relies on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dstrain.data.anchors import IGNORE
+
+
+def _chunk_logits(h_d, a, w2, h_t, weight, lo, hi):
+    w = weight[lo:hi].to(h_d.dtype)
+    u = h_d @ w.T
+    if a is not None:
+        u = u + a @ w2[:, lo:hi].to(h_d.dtype)
+    return u, h_t @ w.T
+
+
+def _upcast(*tensors):
+    """At least fp32 (bf16 inputs are computed in fp32; fp64 stays fp64 for exact tests)."""
+    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+    return [None if t is None else t.to(dtype) for t in tensors]
+
+
+class _ChunkedDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_draft, markov_a, markov_w2, h_target, lm_weight, labels, chunk):
+        h_d, h_t, a = _upcast(h_draft, h_target, markov_a)
+        n, vocab = h_d.shape[0], lm_weight.shape[0]
+        lse_d = torch.full((n,), -math.inf, device=h_d.device, dtype=h_d.dtype)
+        lse_t = torch.full_like(lse_d, -math.inf)
+        for lo in range(0, vocab, chunk):
+            u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, lo + chunk)
+            lse_d = torch.logaddexp(lse_d, torch.logsumexp(u, dim=-1))
+            lse_t = torch.logaddexp(lse_t, torch.logsumexp(t, dim=-1))
+        tv, signed = torch.zeros_like(lse_d), torch.zeros_like(lse_d)
+        for lo in range(0, vocab, chunk):
+            u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, lo + chunk)
+            p_d, p_t = torch.exp(u - lse_d[:, None]), torch.exp(t - lse_t[:, None])
+            sign = torch.sign(p_d - p_t)
+            tv += (p_d - p_t).abs().sum(-1)
+            signed += (p_d * sign).sum(-1)
+        valid = labels != IGNORE
+        safe = labels.clamp(min=0)
+        u_label = (h_d * lm_weight[safe].to(h_d.dtype)).sum(-1)
+        if a is not None:
+            u_label = u_label + (a * markov_w2[:, safe].to(h_d.dtype).T).sum(-1)
+        ce = torch.where(valid, lse_d - u_label, torch.zeros_like(lse_d))
+        ctx.save_for_backward(h_draft, markov_a, markov_w2, h_target, lm_weight, labels, lse_d, lse_t, signed)
+        ctx.chunk = chunk
+        return ce, tv
+
+    @staticmethod
+    def backward(ctx, g_ce, g_tv):
+        h_draft, markov_a, markov_w2, h_target, lm_weight, labels, lse_d, lse_t, signed = ctx.saved_tensors
+        h_d, h_t, a = _upcast(h_draft, h_target, markov_a)
+        valid = labels != IGNORE
+        g_ce = torch.where(valid, g_ce, torch.zeros_like(g_ce)) if g_ce is not None else torch.zeros_like(lse_d)
+        g_tv = g_tv if g_tv is not None else torch.zeros_like(lse_d)
+        grad_h = torch.zeros_like(h_d)
+        grad_a = torch.zeros_like(a) if a is not None and ctx.needs_input_grad[1] else None
+        grad_w2 = torch.zeros_like(markov_w2, dtype=h_d.dtype) if a is not None and ctx.needs_input_grad[2] else None
+        rows = torch.arange(len(labels), device=labels.device)
+        for lo in range(0, lm_weight.shape[0], ctx.chunk):
+            hi = min(lo + ctx.chunk, lm_weight.shape[0])
+            u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, hi)
+            p_d, p_t = torch.exp(u - lse_d[:, None]), torch.exp(t - lse_t[:, None])
+            grad_u = g_ce[:, None] * p_d + g_tv[:, None] * p_d * (torch.sign(p_d - p_t) - signed[:, None])
+            here = valid & (labels >= lo) & (labels < hi)
+            grad_u[rows[here], labels[here] - lo] -= g_ce[here]
+            grad_h += grad_u @ lm_weight[lo:hi].to(h_d.dtype)
+            if grad_a is not None:
+                grad_a += grad_u @ markov_w2[:, lo:hi].to(h_d.dtype).T
+            if grad_w2 is not None:
+                grad_w2[:, lo:hi] = a.T @ grad_u
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return (cast(grad_h, h_draft) if ctx.needs_input_grad[0] else None, cast(grad_a, markov_a) if markov_a is not None else None,
+                cast(grad_w2, markov_w2) if markov_w2 is not None else None, None, None, None, None)
+
+
+def chunked_divergence(h_draft: torch.Tensor, h_target: torch.Tensor, lm_weight: torch.Tensor, labels: torch.Tensor,
+                       markov_a: torch.Tensor | None = None, markov_w2: torch.Tensor | None = None, chunk: int = 8192):
+    """Per-position CE (0 where labels == IGNORE) and ‖p_d − p_t‖₁, both [N], never holding N × V floats."""
+    if (markov_a is None) != (markov_w2 is None):
+        raise ValueError("markov_a and markov_w2 go together")
+    return _ChunkedDivergence.apply(h_draft, markov_a, markov_w2, h_target, lm_weight.detach(), labels, chunk)
+
+
+def position_weights(gamma: int, gamma_decay: float, device=None) -> torch.Tensor:
+    """w_k = exp(−(k−1)/γ_decay), k = 1..γ."""
+    return torch.exp(-torch.arange(gamma, dtype=torch.float32, device=device) / gamma_decay)
+
+
+def drafter_loss_sums(ce: torch.Tensor, tv: torch.Tensor, conf_logits: torch.Tensor | None, valid: torch.Tensor,
+                      gamma_decay: float, alpha_ce: float, alpha_tv: float, alpha_conf: float) -> dict[str, torch.Tensor]:
+    """Position-weighted *sums* over [N, γ] blocks, and the weight total to divide them by.
+
+    Sums (not means) so the trainer can divide by the weight total of the whole accumulated batch:
+    every supervised token then counts the same whatever micro-batch it landed in.
+    """
+    w = position_weights(ce.shape[1], gamma_decay, ce.device)[None, :] * valid.float()
+    out = {"ce": (w * ce).sum(), "tv": (w * tv).sum(), "weight": w.sum()}
+    total = alpha_ce * out["ce"] + alpha_tv * out["tv"]
+    if conf_logits is not None:
+        soft_label = (1.0 - 0.5 * tv).detach().clamp(0.0, 1.0)
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft_label, reduction="none")
+        out["conf"] = (w * bce).sum()
+        total = total + alpha_conf * out["conf"]
+    out["total"] = total
+    return out
