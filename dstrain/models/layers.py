@@ -1,0 +1,115 @@
+"""Drafter layers: RMSNorm, RoPE, SwiGLU, MoE FFN, and the context-injected block attention layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dstrain.models.attention import block_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE. x [..., H, hd], pos broadcastable to x[..., 0, 0]."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    ang = pos.float()[..., None] * inv  # [..., hd/2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[..., None, :], torch.cat([ang.sin(), ang.sin()], -1)[..., None, :]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, inter: int):
+        super().__init__()
+        self.gate_up = nn.Linear(d, 2 * inter, bias=False)
+        self.down = nn.Linear(inter, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (+ optional shared expert). Balance by an auxiliary loss (Switch-style
+    E·Σ f_e·P_e) or by DeepSeek's bias update (a non-trained routing bias nudged toward equal load)."""
+
+    def __init__(self, d: int, inter: int, num_experts: int, top_k: int, shared: bool, balance: str):
+        super().__init__()
+        self.num_experts, self.top_k, self.balance = num_experts, top_k, balance
+        self.router = nn.Linear(d, num_experts, bias=False)
+        self.w_gate_up = nn.Parameter(torch.randn(num_experts, d, 2 * inter) * d**-0.5)
+        self.w_down = nn.Parameter(torch.randn(num_experts, inter, d) * inter**-0.5)
+        self.shared = SwiGLU(d, inter) if shared else None
+        self.register_buffer("route_bias", torch.zeros(num_experts), persistent=True)
+        self.last_load = torch.zeros(num_experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = self.router(flat).float().softmax(-1)
+        choose = probs + self.route_bias if self.balance == "bias_update" else probs
+        top = choose.topk(self.top_k, dim=-1).indices
+        weights = probs.gather(-1, top)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e in range(self.num_experts):
+            rows, slot = torch.nonzero(top == e, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            gate, up = (flat[rows] @ self.w_gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, rows, (F.silu(gate) * up) @ self.w_down[e] * weights[rows, slot, None])
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        load = torch.bincount(top.flatten(), minlength=self.num_experts).float() / max(top.numel(), 1)
+        self.last_load = load.detach()
+        aux = self.num_experts * (load.detach() * probs.mean(0)).sum() if self.balance == "aux_loss" else probs.new_zeros(())
+        return out.reshape(shape), aux
+
+    @torch.no_grad()
+    def update_route_bias(self, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
+        if self.balance == "bias_update":
+            self.route_bias += rate * torch.sign(self.last_load.mean() - self.last_load)
+
+
+class BlockLayer(nn.Module):
+    """Pre-norm layer: block tokens attend to their own block and to injected context keys/values."""
+
+    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: nn.Module, rope_theta: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.rope_theta = heads, kv_heads, head_dim, rope_theta
+        self.attn_norm, self.ffn_norm = RMSNorm(d), RMSNorm(d)
+        self.q_proj = nn.Linear(d, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, d, bias=False)
+        self.ffn = ffn
+
+    def context_kv(self, ctx: torch.Tensor, ctx_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's own k/v projections of the fused target context rows [R, d]."""
+        k = self.k_proj(ctx).view(-1, self.kv_heads, self.head_dim)
+        return rope(k, ctx_pos, self.rope_theta), self.v_proj(ctx).view(-1, self.kv_heads, self.head_dim)
+
+    def attend(self, x: torch.Tensor, pos: torch.Tensor, k_ctx, v_ctx, key_index) -> torch.Tensor:
+        n, g, _ = x.shape
+        h = self.attn_norm(x)
+        q = rope(self.q_proj(h).view(n, g, self.heads, self.head_dim), pos, self.rope_theta)
+        k = rope(self.k_proj(h).view(n, g, self.kv_heads, self.head_dim), pos, self.rope_theta)
+        v = self.v_proj(h).view(n, g, self.kv_heads, self.head_dim)
+        return self.o_proj(block_attention(q, k, v, k_ctx, v_ctx, key_index).reshape(n, g, -1))
+
+    def feed_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.ffn(self.ffn_norm(x))
+        return out if isinstance(out, tuple) else (out, x.new_zeros(()))

@@ -1,0 +1,22 @@
+"""drafter.type → builder. One folder-free registry: add a family by registering a builder here."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from dstrain.errors import UserError
+from dstrain.models.block_drafter import BlockDrafter
+from dstrain.models.contract import TargetSpec
+
+DRAFTERS: dict[str, Callable[..., nn.Module]] = {"dspark": BlockDrafter, "dflash": BlockDrafter}
+
+
+def build_drafter(cfg, spec: TargetSpec, embedding: nn.Embedding) -> nn.Module:
+    if cfg.mhc.enabled:
+        raise UserError("drafter.mhc.enabled=true: hyper-connections are not in this build yet; set drafter.mhc.enabled=false")
+    builder = DRAFTERS.get(cfg.type)
+    if builder is None:
+        raise UserError(f"drafter.type={cfg.type}: not in this build yet (available: {', '.join(DRAFTERS)})")
+    return builder(cfg, spec, embedding)

@@ -1,0 +1,55 @@
+"""One colocated draft step: frozen target forward → anchors → packing → drafter → chunked losses.
+
+The disaggregated runtime replaces only `target_features` (the rows arrive over the channel);
+packing, the drafter and the losses are the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dstrain.data.anchors import anchor_generator, sample_anchors
+from dstrain.data.loader import Sample
+from dstrain.data.packing import PackedBlocks, pack_blocks
+from dstrain.train.losses import chunked_divergence, drafter_loss_sums
+
+
+@dataclass
+class TargetFeatures:
+    captured: torch.Tensor  # [sum T, m, d] sequences laid end to end, as packing numbers rows
+    final_hidden: torch.Tensor  # [sum T, d]
+
+
+@torch.no_grad()
+def target_features(target, samples: list[Sample]) -> TargetFeatures:
+    lengths = [len(s.input_ids) for s in samples]
+    ids = torch.zeros(len(samples), max(lengths), dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, s in enumerate(samples):
+        ids[i, : lengths[i]], att[i, : lengths[i]] = s.input_ids, 1
+    out = target(ids, att)  # right padding: causal attention keeps real positions exact
+    keep = att.bool()
+    return TargetFeatures(out.captured[keep], out.final_hidden[keep])
+
+
+def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int) -> PackedBlocks:
+    anchors = [sample_anchors(s.loss_mask, anchors_per_seq, anchor_generator(seed, s.meta["id"], epoch)) for s in samples]
+    return pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], anchors, gamma,
+                       mask_token_id=0, window=window)
+
+
+def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats: TargetFeatures, loss_cfg,
+                 vocab_chunk: int = 8192) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
+    """Position-weighted loss sums (see losses.drafter_loss_sums), the per-position TV [N, γ], and the DraftOutput."""
+    out = drafter(packed, feats.captured[packed.ctx_rows])
+    n, gamma, d = out.hidden.shape
+    h_t = feats.final_hidden[packed.final_rows].reshape(-1, d)
+    factor = out.seq_factor.reshape(n * gamma, -1) if out.seq_factor is not None else None
+    ce, tv = chunked_divergence(out.hidden.reshape(-1, d), h_t, lm_head.weight, packed.labels.reshape(-1), factor,
+                                drafter.seq_w2 if factor is not None else None, chunk=vocab_chunk)
+    ce, tv = ce.view(n, gamma), tv.view(n, gamma)
+    sums = drafter_loss_sums(ce, tv, out.confidence_logits, packed.valid, loss_cfg.gamma_decay,
+                             loss_cfg.alpha_ce, loss_cfg.alpha_tv, loss_cfg.alpha_conf)
+    return sums, tv.detach(), out
