@@ -17,7 +17,7 @@ _HERE = Path(__file__).resolve().parent
 if sys.path and Path(sys.path[0] or ".").resolve() == _HERE:
     sys.path[0] = str(_HERE.parent)
 
-from dstrain.errors import UserError, cli_main  # noqa: E402
+from dstrain.errors import cli_main  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +44,38 @@ def main(argv: list[str] | None = None) -> int:
 
         print(format_plan(build_plan(recipe), args.recipe))
         return 0
-    raise UserError("training is not part of this build yet (it lands with the Drafters issue); run with --dry-run to see the plan")
+    return train(recipe)
+
+
+def train(recipe) -> int:
+    from pathlib import Path
+
+    from dstrain.data.loader import ShardLoader
+    from dstrain.target import load_target, target_folder
+    from dstrain.train.trainer import Trainer
+    from dstrain.world import init_world
+
+    world = init_world(recipe)
+    run_dir = Path(recipe.run.output_dir) / recipe.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = load_target(recipe.target, seed=recipe.run.seed)
+    fingerprint = None
+    folder = target_folder(recipe.target)
+    if folder is not None:
+        from transformers import AutoTokenizer
+
+        from dstrain.data.tokenize import tokenizer_fingerprint
+
+        fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(folder))
+    loader = ShardLoader(recipe.data.shards, rank=world.rank, world=world.world_size, seed=recipe.run.seed,
+                         shuffle=recipe.data.shuffle, max_length=recipe.data.max_length,
+                         expect_target=recipe.target.name, expect_fingerprint=fingerprint)
+    summary = Trainer(recipe, target, loader, run_dir, world.world_size, world.is_main).train()
+    if world.is_main and summary["last"]:
+        first, last = summary["first"], summary["last"]
+        print(f"trained {summary['steps']} steps: loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+              f"tau_hat {first['tau_hat']:.3f} -> {last['tau_hat']:.3f}; run dir {run_dir}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -50,24 +50,60 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+class ShardSink:
+    """Writes samples into shards in a temporary folder; `finish` adds the manifest and renames into place."""
+
+    def __init__(self, out_dir: str, samples_per_shard: int, overwrite: bool):
+        self.out = Path(out_dir)
+        if self.out.exists() and any(self.out.iterdir()) and not overwrite:
+            raise UserError(f"{self.out}: output folder is not empty; pass --overwrite or choose another --out")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", dir=self.out.parent))
+        self.writer = wds.ShardWriter(str(self.tmp / "shard-%06d.tar"), maxcount=samples_per_shard, verbose=0)
+        self.counts = {"samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0}
+        self.per_domain: dict[str, int] = {}
+
+    def add(self, sample_id: str, domain: str, input_ids: np.ndarray, loss_mask: np.ndarray, truncated: bool = False) -> None:
+        meta = {"id": sample_id, "domain": domain, "tokens": int(len(input_ids)), "loss_tokens": int(loss_mask.sum()), "truncated": truncated}
+        self.writer.write({"__key__": sample_key(sample_id, self.counts["samples"]), "input_ids.npy": npy_bytes(input_ids.astype(np.int32)),
+                           "loss_mask.npy": npy_bytes(loss_mask.astype(np.uint8)), "meta.json": json.dumps(meta).encode()})
+        self.counts["samples"] += 1
+        self.counts["tokens"] += meta["tokens"]
+        self.counts["loss_tokens"] += meta["loss_tokens"]
+        self.counts["truncated"] += int(truncated)
+        self.per_domain[domain] = self.per_domain.get(domain, 0) + 1
+
+    def finish(self, header: dict) -> dict:
+        self.writer.close()
+        shards = []
+        for f in sorted(self.tmp.glob("shard-*.tar")):
+            n = sum(1 for _ in wds.WebDataset(str(f), shardshuffle=False, empty_check=False))
+            shards.append({"file": f.name, "samples": n, "bytes": f.stat().st_size, "sha256": file_digest(f)})
+        manifest = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **header,
+                    "counts": {**header.get("counts", {}), **self.counts, "per_domain": self.per_domain}, "shards": shards}
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.replace(self.tmp, self.out)
+        return manifest
+
+    def abort(self) -> None:
+        self.writer.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def build_shards(inputs: list[str], out_dir: str, tokenizer, cfg: TokenizeConfig, target_name: str,
                  samples_per_shard: int = 1000, overwrite: bool = False, progress: bool = True) -> dict:
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"{out}: output folder is not empty; pass --overwrite or choose another --out")
     chat = ChatTokenizer(tokenizer, cfg)
     report = BadDataReport()
-    counts = {"inputs_read": 0, "samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0}
-    per_domain: dict[str, int] = {}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    sink = ShardSink(out_dir, samples_per_shard, overwrite)
+    read = 0
     try:
         seen: set[str] = set()
-        writer = wds.ShardWriter(str(tmp / "shard-%06d.tar"), maxcount=samples_per_shard, verbose=0)
         bar = tqdm(desc="make_shards", unit="conv", disable=not progress, dynamic_ncols=True)
         for path in inputs:
             for lineno, obj in read_jsonl(path, report):
-                counts["inputs_read"] += 1
+                read += 1
                 bar.update(1)
                 where = f"{path}:{lineno}"
                 conv = check_conversation(obj)
@@ -83,41 +119,43 @@ def build_shards(inputs: list[str], out_dir: str, tokenizer, cfg: TokenizeConfig
                     report.add(bad.kind, where, bad.reason)
                     continue
                 seen.add(conv["id"])
-                meta = {"id": conv["id"], "domain": conv["domain"], "tokens": int(len(enc.input_ids)),
-                        "loss_tokens": int(enc.loss_mask.sum()), "truncated": enc.truncated}
-                writer.write({"__key__": sample_key(conv["id"], counts["samples"]), "input_ids.npy": npy_bytes(enc.input_ids),
-                              "loss_mask.npy": npy_bytes(enc.loss_mask), "meta.json": json.dumps(meta).encode()})
-                counts["samples"] += 1
-                counts["tokens"] += meta["tokens"]
-                counts["loss_tokens"] += meta["loss_tokens"]
-                counts["truncated"] += int(enc.truncated)
-                per_domain[conv["domain"]] = per_domain.get(conv["domain"], 0) + 1
-        writer.close()
+                sink.add(conv["id"], conv["domain"], enc.input_ids, enc.loss_mask, enc.truncated)
         bar.close()
-        if counts["samples"] == 0:
+        if sink.counts["samples"] == 0:
             raise UserError(f"no usable conversations in {', '.join(inputs)} ({report.summary()}); nothing written")
-        shards = []
-        for f in sorted(tmp.glob("shard-*.tar")):
-            n = sum(1 for _ in wds.WebDataset(str(f), shardshuffle=False, empty_check=False))
-            shards.append({"file": f.name, "samples": n, "bytes": f.stat().st_size, "sha256": file_digest(f)})
-        manifest = {
-            "schema_version": SCHEMA_VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        return sink.finish({
             "target": target_name,
             "tokenizer": {"name_or_path": str(getattr(tokenizer, "name_or_path", "")), "fingerprint": tokenizer_fingerprint(tokenizer),
                           "vocab_size": len(tokenizer)},
             "tokenize": {"max_length": cfg.max_length, "min_loss_tokens": cfg.min_loss_tokens, "thinking": cfg.thinking,
                          "overlong": cfg.overlong},
             "inputs": [str(p) for p in inputs],
-            "counts": {**counts, "per_domain": per_domain},
-            "shards": shards,
+            "counts": {"inputs_read": read},
             "bad_data": report.to_dict(),
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        })
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        sink.abort()
         raise
-    return manifest
+
+
+def synthetic_shards(out_dir: str, target_name: str, vocab_size: int, count: int, lengths: tuple[int, int] = (48, 160),
+                     seed: int = 0, samples_per_shard: int = 64) -> dict:
+    """Token shards for random tiny targets (CI): a repeating random 'grammar' so there is structure to learn."""
+    rng = np.random.default_rng(seed)
+    table = rng.integers(3, vocab_size, size=(vocab_size, 2))  # each token has two likely successors
+    sink = ShardSink(out_dir, samples_per_shard, overwrite=True)
+    try:
+        for i in range(count):
+            n = int(rng.integers(*lengths))
+            ids = np.empty(n, dtype=np.int64)
+            ids[0] = rng.integers(3, vocab_size)
+            for t in range(1, n):
+                ids[t] = table[ids[t - 1], rng.integers(2)] if rng.random() > 0.1 else rng.integers(3, vocab_size)
+            mask = np.zeros(n, dtype=np.uint8)
+            mask[n // 4:] = 1
+            sink.add(f"syn-{i}", "synthetic", ids, mask)
+        return sink.finish({"target": target_name, "tokenizer": {"name_or_path": "synthetic", "fingerprint": None, "vocab_size": vocab_size},
+                            "counts": {"inputs_read": count}, "bad_data": {"counts": {}, "examples": []}})
+    except BaseException:
+        sink.abort()
+        raise

@@ -1,0 +1,191 @@
+"""One trainer for every drafter, driven by a DeepSpeed engine (ZeRO-0 in a one-process run).
+
+Gradient accumulation: a step's micro-batches are fetched and packed first, so the position-weight
+total of the whole step (all micro-batches, all data-parallel ranks) is known before any backward;
+each micro-batch's loss *sum* is divided by that total. Every supervised token therefore counts the
+same whatever micro-batch it landed in, and DeepSpeed's own 1/GAS scaling is switched off.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dstrain.models.contract import TargetSpec
+from dstrain.models.registry import build_drafter
+from dstrain.monitor import Monitor, peak_memory_mb
+from dstrain.train import checkpoint
+from dstrain.train.losses import position_weights
+from dstrain.train.step import draft_losses, pack_samples, target_features
+
+
+def target_spec(target) -> TargetSpec:
+    cfg = target.model.config
+    inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return TargetSpec(cfg.hidden_size, cfg.vocab_size, len(target.capture_layers), cfg.num_attention_heads,
+                      getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, inter, float(theta))
+
+
+def lr_lambda(train_cfg):
+    def f(step: int) -> float:
+        if step < train_cfg.warmup_steps:
+            return (step + 1) / max(train_cfg.warmup_steps, 1)
+        progress = (step - train_cfg.warmup_steps) / max(train_cfg.steps - train_cfg.warmup_steps, 1)
+        floor = train_cfg.min_lr / train_cfg.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return f
+
+
+def deepspeed_config(recipe) -> dict:
+    t, ds = recipe.train, recipe.deepspeed
+    return {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
+            "gradient_clipping": t.clip_grad, "zero_optimization": {"stage": ds.zero_stage},
+            "bf16": {"enabled": ds.precision == "bf16"}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def calibration_error(conf: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
+    """Expected calibration error of σ(confidence) against the soft acceptance label."""
+    if conf.numel() == 0:
+        return float("nan")
+    idx = (conf * bins).long().clamp(max=bins - 1)
+    err = 0.0
+    for b in range(bins):
+        sel = idx == b
+        if sel.any():
+            err += sel.float().mean().item() * abs(conf[sel].mean().item() - label[sel].mean().item())
+    return err
+
+
+class Trainer:
+    def __init__(self, recipe, target, loader, run_dir: Path, dp_world: int = 1, is_main: bool = True):
+        import deepspeed
+
+        self.recipe, self.target, self.loader, self.run_dir = recipe, target, loader, run_dir
+        self.dp_world, self.is_main = dp_world, is_main
+        torch.manual_seed(recipe.run.seed)
+        drafter = build_drafter(recipe.drafter, target_spec(target), target.embedding)
+        decay = [p for p in drafter.parameters() if p.dim() >= 2]
+        no_decay = [p for p in drafter.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.train.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=recipe.train.lr, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.train))
+        self.engine, _, _, self.scheduler = deepspeed.initialize(model=drafter, optimizer=opt, lr_scheduler=sched,
+                                                                 config=deepspeed_config(recipe), dist_init_required=False)
+        self.drafter = drafter
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.step = 0
+
+    # -- state -----------------------------------------------------------------------------------------
+    def resume(self) -> None:
+        tag = checkpoint.latest(self.ckpt_dir)
+        if tag is None:
+            return
+        client = checkpoint.load(self.engine, self.ckpt_dir, tag)
+        self.loader.load_state_dict(client["loader"])
+        self.step = client["step"]
+
+    def save(self) -> None:
+        checkpoint.save(self.engine, self.ckpt_dir, self.step, {"step": self.step, "loader": self.loader.state_dict()},
+                        self.recipe.train.keep_checkpoints, self.is_main)
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def train_step(self, batches) -> dict:
+        r = self.recipe
+        gamma = r.drafter.block_size
+        packs = [pack_samples(b, gamma, r.anchors.per_sequence, r.drafter.sliding_window, r.run.seed, self.step) for b in batches]
+        pw = position_weights(gamma, r.loss.gamma_decay)
+        total_w = _all_reduce(torch.stack([(pw * p.valid).sum() for p in packs]).sum())
+        scale = self.dp_world / total_w.clamp(min=1e-9)
+        acc = {"ce": 0.0, "tv": 0.0, "conf": 0.0, "aux": 0.0}
+        pos_acc, pos_n = torch.zeros(gamma), torch.zeros(gamma)
+        confs, labels = [], []
+        tokens = 0
+        for samples, packed in zip(batches, packs):
+            feats = target_features(self.target, samples)
+            tokens += feats.final_hidden.shape[0]
+            sums, tv, out = draft_losses(self.engine.module, self.target.lm_head, packed, feats, r.loss)
+            loss = sums["total"] * scale + r.drafter.ffn.aux_loss_coef * out.aux_loss / len(batches)
+            self.engine.backward(loss, scale_wrt_gas=False)
+            if samples is batches[-1]:
+                grad_norm = self._grad_norm()
+            self.engine.step()
+            for k in ("ce", "tv", "conf"):
+                acc[k] += float(sums.get(k, torch.zeros(())).detach() * scale)
+            acc["aux"] += float(out.aux_loss) / len(batches)
+            valid = packed.valid
+            accept = (1 - 0.5 * tv).clamp(0, 1)
+            pos_acc += (accept * valid).sum(0)
+            pos_n += valid.sum(0)
+            if out.confidence_logits is not None:
+                confs.append(torch.sigmoid(out.confidence_logits.detach().float())[valid])
+                labels.append(accept[valid])
+        for m in self.drafter.moe_layers():
+            m.update_route_bias()
+        stats = torch.cat([torch.tensor([acc["ce"], acc["tv"], acc["conf"], acc["aux"], float(tokens)]), pos_acc, pos_n])
+        stats = _all_reduce(stats)
+        pos = stats[5 : 5 + gamma] / stats[5 + gamma :].clamp(min=1)
+        out = {"loss_ce": stats[0].item() / self.dp_world, "loss_tv": stats[1].item() / self.dp_world,
+               "loss_conf": stats[2].item() / self.dp_world, "aux_loss": stats[3].item() / self.dp_world,
+               "supervised_positions": int(stats[5 + gamma :].sum()), "tokens": int(stats[4]), "grad_norm": grad_norm}
+        out["loss"] = r.loss.alpha_ce * out["loss_ce"] + r.loss.alpha_tv * out["loss_tv"] + r.loss.alpha_conf * out["loss_conf"]
+        for k in range(gamma):
+            out[f"acceptance@{k + 1}"] = pos[k].item()
+        out["tau_hat"] = 1.0 + torch.cumprod(pos, 0).sum().item()
+        if confs:
+            out["calibration_error"] = calibration_error(torch.cat(confs), torch.cat(labels))
+        return out
+
+    def _grad_norm(self) -> float:
+        """Norm of the accumulated gradient before clipping (DeepSpeed reports it only for its own optimizers)."""
+        reported = self.engine.get_global_grad_norm()
+        if reported is not None:
+            return float(reported)
+        grads = [p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None]
+        local = torch.stack(grads).pow(2).sum() if grads else torch.zeros(())
+        return float(_all_reduce(local).sqrt())
+
+    # -- loop --------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        r = self.recipe
+        self.resume()
+        monitor = Monitor(self.run_dir, r, r.train.steps, self.step, self.is_main)
+        stream = iter(self.loader)
+        history, t_last = [], time.perf_counter()
+        window = {"positions": 0, "tokens": 0}
+        try:
+            while self.step < r.train.steps:
+                batches = [[next(stream) for _ in range(r.train.micro_batch_size)] for _ in range(r.train.grad_accum)]
+                metrics = self.train_step(batches)
+                self.step += 1
+                window["positions"] += metrics.pop("supervised_positions")
+                window["tokens"] += metrics.pop("tokens")
+                monitor.advance()
+                if self.step == 1 or self.step % r.train.log_every == 0 or self.step == r.train.steps:
+                    now = time.perf_counter()
+                    metrics.update({"lr": self.scheduler.get_last_lr()[0], "supervised_positions_per_s": window["positions"] / (now - t_last),
+                                    "tokens_per_s": window["tokens"] / (now - t_last), "peak_memory_mb": peak_memory_mb()})
+                    for i, m in enumerate(self.drafter.moe_layers()):
+                        metrics[f"expert_load_max/layer{i}"] = float(m.last_load.max() * m.num_experts)
+                    monitor.log(self.step, metrics)
+                    history.append({"step": self.step, **metrics})
+                    t_last, window = now, {"positions": 0, "tokens": 0}
+                if self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
+                    self.save()
+        finally:
+            monitor.close()
+        summary = {"steps": self.step, "first": history[0] if history else None, "last": history[-1] if history else None}
+        if self.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
