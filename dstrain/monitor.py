@@ -64,7 +64,7 @@ class Monitor:
 def _run_id(run_dir: Path) -> str:
     f = run_dir / "wandb_id"
     if not f.exists():
-        import wandb
+        import secrets
 
-        f.write_text(wandb.util.generate_id())
+        f.write_text(secrets.token_hex(4))  # one wandb run across resumes
     return f.read_text().strip()

@@ -190,6 +190,7 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(200, ge=1)
     keep_checkpoints: int = Field(3, ge=1)
+    target_cache_mb: int = Field(0, ge=0, description="colocated: keep per-sample target features (frozen target) up to this size")
 
 
 class Recipe(Section):

@@ -22,6 +22,14 @@ def tiny_shards(tmp_path_factory):
     return out
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))}
 
@@ -77,3 +85,19 @@ def test_damaged_checkpoint_and_wrong_world_are_one_line_errors(tmp_path, tiny_s
     assert proc.returncode == 2 and "torchrun --nproc-per-node 2" in proc.stderr
     proc = run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={tmp_path / 'nowhere'}", check=False)
     assert proc.returncode == 2 and "manifest.json" in proc.stderr
+
+
+@pytest.mark.distributed
+def test_two_data_parallel_ranks_equal_one_process(tmp_path, tiny_shards):
+    """torchrun with 2 colocated replicas (micro-batch 2 each) == one process with micro-batch 4, same seed."""
+    common = ["recipes/tiny_moe.yaml", f"data.shards={tiny_shards}", "train.steps=4", "train.warmup_steps=1", "train.log_every=1",
+              "drafter.ffn.type=dense", "data.shuffle=false"]
+    run_tool("dstrain/main.py", *common, "train.micro_batch_size=4", f"run.output_dir={tmp_path / 'one'}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                           "dstrain/main.py", *common, "train.micro_batch_size=2", "world.target.dp=2", "world.drafter_ranks=2",
+                           f"run.output_dir={tmp_path / 'two'}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = losses(tmp_path / "one" / "tiny-moe-dspark"), losses(tmp_path / "two" / "tiny-moe-dspark")
+    for step in range(1, 5):
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])

@@ -20,9 +20,8 @@ from typing import Iterator
 
 import numpy as np
 import torch
-import webdataset as wds
 
-from dstrain.data.shards import MANIFEST, SCHEMA_VERSION
+from dstrain.data.shards import MANIFEST, SCHEMA_VERSION, read_tar
 from dstrain.errors import UserError
 
 
@@ -113,7 +112,7 @@ class ShardLoader:
         want = set(int(i) for i in wanted)
         got: dict[int, Sample] = {}
         try:
-            for i, raw in enumerate(wds.WebDataset(str(path), shardshuffle=False, empty_check=False)):
+            for i, raw in enumerate(read_tar(path)):
                 if i in want:
                     got[i] = self._decode(raw)
         except (tarfile.TarError, OSError, ValueError, KeyError) as exc:

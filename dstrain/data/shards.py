@@ -31,6 +31,16 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 
 
+def _one_shard(urls):
+    return urls
+
+
+def read_tar(path: Path):
+    """Samples of one shard, in order. The loader splits data over ranks itself, so webdataset's own
+    node/worker splitting is switched off (it refuses to run under torch.distributed otherwise)."""
+    return wds.WebDataset(str(path), shardshuffle=False, empty_check=False, nodesplitter=_one_shard, workersplitter=_one_shard)
+
+
 def npy_bytes(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
@@ -77,7 +87,7 @@ class ShardSink:
         self.writer.close()
         shards = []
         for f in sorted(self.tmp.glob("shard-*.tar")):
-            n = sum(1 for _ in wds.WebDataset(str(f), shardshuffle=False, empty_check=False))
+            n = sum(1 for _ in read_tar(f))
             shards.append({"file": f.name, "samples": n, "bytes": f.stat().st_size, "sha256": file_digest(f)})
         manifest = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **header,
                     "counts": {**header.get("counts", {}), **self.counts, "per_domain": self.per_domain}, "shards": shards}

@@ -1,10 +1,11 @@
 """Draft-vs-target divergences over the vocabulary, in chunks (paper §3.3).
 
 For each supervised position the draft distribution p_d = softmax(h_d·Wᵀ + a·W₂) (a = W₁[x_{k−1}], the
-Markov bias; absent for drafters without one) and the target distribution p_t = softmax(h_t·Wᵀ) are
-never materialised as [positions × V]: a custom autograd function makes two passes over vocabulary
-chunks (log-normalisers, then ‖p_d − p_t‖₁ and Σ p_d·sign(p_d − p_t)) and recomputes each chunk in
-backward. Peak memory is O(N × chunk), not O(N × V). Gradient of the L1 term with respect to the draft
+Markov bias; absent for drafters without one) and the target distribution p_t = softmax(h_t·Wᵀ) come from
+a custom autograd function. When positions × V is large it never materialises them: two passes over
+vocabulary chunks (log-normalisers, then ‖p_d − p_t‖₁ and Σ p_d·sign(p_d − p_t)) and each chunk
+recomputed in backward, so peak memory is O(N × chunk). When N × V fits a small budget, one chunk: the
+logits are computed once and p_d and the sign kept for backward (3 vocabulary matmuls instead of 7). Gradient of the L1 term with respect to the draft
 logits: ∂/∂U_v Σ|p_d − p_t| = p_d,v (s_v − Σ_u p_d,u s_u), s = sign(p_d − p_t). Probabilities are exact
 softmaxes (computed in fp32), which rejection sampling relies on.
 """
@@ -38,19 +39,28 @@ class _ChunkedDivergence(torch.autograd.Function):
     def forward(ctx, h_draft, markov_a, markov_w2, h_target, lm_weight, labels, chunk):
         h_d, h_t, a = _upcast(h_draft, h_target, markov_a)
         n, vocab = h_d.shape[0], lm_weight.shape[0]
-        lse_d = torch.full((n,), -math.inf, device=h_d.device, dtype=h_d.dtype)
-        lse_t = torch.full_like(lse_d, -math.inf)
-        for lo in range(0, vocab, chunk):
-            u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, lo + chunk)
-            lse_d = torch.logaddexp(lse_d, torch.logsumexp(u, dim=-1))
-            lse_t = torch.logaddexp(lse_t, torch.logsumexp(t, dim=-1))
-        tv, signed = torch.zeros_like(lse_d), torch.zeros_like(lse_d)
-        for lo in range(0, vocab, chunk):
-            u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, lo + chunk)
-            p_d, p_t = torch.exp(u - lse_d[:, None]), torch.exp(t - lse_t[:, None])
-            sign = torch.sign(p_d - p_t)
-            tv += (p_d - p_t).abs().sum(-1)
-            signed += (p_d * sign).sum(-1)
+        ctx.kept = None
+        if chunk >= vocab:  # one chunk: compute the logits once and keep what backward needs (N x V, fits the budget)
+            u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, 0, vocab)
+            lse_d, lse_t = torch.logsumexp(u, dim=-1), torch.logsumexp(t, dim=-1)
+            p_d = torch.exp(u - lse_d[:, None])
+            diff = p_d - torch.exp(t - lse_t[:, None])
+            sign = torch.sign(diff)
+            tv, signed = diff.abs().sum(-1), (p_d * sign).sum(-1)
+            ctx.kept = (p_d, sign.to(torch.int8))
+        else:
+            lse_d = torch.full((n,), -math.inf, device=h_d.device, dtype=h_d.dtype)
+            lse_t = torch.full_like(lse_d, -math.inf)
+            for lo in range(0, vocab, chunk):
+                u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, lo + chunk)
+                lse_d = torch.logaddexp(lse_d, torch.logsumexp(u, dim=-1))
+                lse_t = torch.logaddexp(lse_t, torch.logsumexp(t, dim=-1))
+            tv, signed = torch.zeros_like(lse_d), torch.zeros_like(lse_d)
+            for lo in range(0, vocab, chunk):
+                u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, lo + chunk)
+                p_d, p_t = torch.exp(u - lse_d[:, None]), torch.exp(t - lse_t[:, None])
+                tv += (p_d - p_t).abs().sum(-1)
+                signed += (p_d * torch.sign(p_d - p_t)).sum(-1)
         valid = labels != IGNORE
         safe = labels.clamp(min=0)
         u_label = (h_d * lm_weight[safe].to(h_d.dtype)).sum(-1)
@@ -74,9 +84,13 @@ class _ChunkedDivergence(torch.autograd.Function):
         rows = torch.arange(len(labels), device=labels.device)
         for lo in range(0, lm_weight.shape[0], ctx.chunk):
             hi = min(lo + ctx.chunk, lm_weight.shape[0])
-            u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, hi)
-            p_d, p_t = torch.exp(u - lse_d[:, None]), torch.exp(t - lse_t[:, None])
-            grad_u = g_ce[:, None] * p_d + g_tv[:, None] * p_d * (torch.sign(p_d - p_t) - signed[:, None])
+            if ctx.kept is not None:
+                p_d, sign = ctx.kept[0], ctx.kept[1].to(h_d.dtype)
+            else:
+                u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, hi)
+                p_d = torch.exp(u - lse_d[:, None])
+                sign = torch.sign(p_d - torch.exp(t - lse_t[:, None]))
+            grad_u = g_ce[:, None] * p_d + g_tv[:, None] * p_d * (sign - signed[:, None])
             here = valid & (labels >= lo) & (labels < hi)
             grad_u[rows[here], labels[here] - lo] -= g_ce[here]
             grad_h += grad_u @ lm_weight[lo:hi].to(h_d.dtype)
@@ -90,10 +104,19 @@ class _ChunkedDivergence(torch.autograd.Function):
 
 
 def chunked_divergence(h_draft: torch.Tensor, h_target: torch.Tensor, lm_weight: torch.Tensor, labels: torch.Tensor,
-                       markov_a: torch.Tensor | None = None, markov_w2: torch.Tensor | None = None, chunk: int = 8192):
-    """Per-position CE (0 where labels == IGNORE) and ‖p_d − p_t‖₁, both [N], never holding N × V floats."""
+                       markov_a: torch.Tensor | None = None, markov_w2: torch.Tensor | None = None, chunk: int | None = None,
+                       budget_mb: float = 256.0):
+    """Per-position CE (0 where labels == IGNORE) and ‖p_d − p_t‖₁, both [N].
+
+    chunk=None picks the vocabulary chunk from a memory budget: when N × V fits, one chunk with the
+    logits computed once (no recompute in backward); otherwise 8192-wide chunks recomputed in backward,
+    so peak memory stays O(N × chunk) however large N × V gets.
+    """
     if (markov_a is None) != (markov_w2 is None):
         raise ValueError("markov_a and markov_w2 go together")
+    if chunk is None:
+        n, vocab = h_draft.shape[0], lm_weight.shape[0]
+        chunk = vocab if n * vocab * 4 * 4 <= budget_mb * 2**20 else 8192  # ~4 live N x V fp32 tensors in the one-chunk path
     return _ChunkedDivergence.apply(h_draft, markov_a, markov_w2, h_target, lm_weight.detach(), labels, chunk)
 
 

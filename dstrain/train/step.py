@@ -6,6 +6,7 @@ packing, the drafter and the losses are the same code.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -22,16 +23,48 @@ class TargetFeatures:
     final_hidden: torch.Tensor  # [sum T, d]
 
 
+class FeatureCache:
+    """Per-sample target features, kept up to a byte budget (oldest evicted first).
+
+    The target is frozen, so a sample's features never change: on small data trained for many epochs
+    (the laptop demo) the target forward runs once per sample instead of once per visit.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.items: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def get(self, key: str):
+        return self.items.get(key)
+
+    def put(self, key: str, captured: torch.Tensor, final: torch.Tensor) -> None:
+        size = captured.numel() * captured.element_size() + final.numel() * final.element_size()
+        if size > self.max_bytes:
+            return
+        while self.bytes + size > self.max_bytes:
+            _, (c, f) = self.items.popitem(last=False)
+            self.bytes -= c.numel() * c.element_size() + f.numel() * f.element_size()
+        self.items[key] = (captured, final)
+        self.bytes += size
+
+
 @torch.no_grad()
-def target_features(target, samples: list[Sample]) -> TargetFeatures:
-    lengths = [len(s.input_ids) for s in samples]
-    ids = torch.zeros(len(samples), max(lengths), dtype=torch.long)
-    att = torch.zeros_like(ids)
-    for i, s in enumerate(samples):
-        ids[i, : lengths[i]], att[i, : lengths[i]] = s.input_ids, 1
-    out = target(ids, att)  # right padding: causal attention keeps real positions exact
-    keep = att.bool()
-    return TargetFeatures(out.captured[keep], out.final_hidden[keep])
+def target_features(target, samples: list[Sample], cache: FeatureCache | None = None) -> TargetFeatures:
+    todo = [s for s in samples if cache is None or cache.get(s.meta["id"]) is None]
+    fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if todo:
+        lengths = [len(s.input_ids) for s in todo]
+        ids = torch.zeros(len(todo), max(lengths), dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for i, s in enumerate(todo):
+            ids[i, : lengths[i]], att[i, : lengths[i]] = s.input_ids, 1
+        out = target(ids, att)  # right padding: causal attention keeps real positions exact
+        for i, s in enumerate(todo):
+            fresh[s.meta["id"]] = (out.captured[i, : lengths[i]].clone(), out.final_hidden[i, : lengths[i]].clone())
+            if cache is not None:
+                cache.put(s.meta["id"], *fresh[s.meta["id"]])
+    parts = [fresh.get(s.meta["id"]) or cache.get(s.meta["id"]) for s in samples]
+    return TargetFeatures(torch.cat([c for c, _ in parts]), torch.cat([f for _, f in parts]))
 
 
 def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int) -> PackedBlocks:
@@ -41,7 +74,7 @@ def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window
 
 
 def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats: TargetFeatures, loss_cfg,
-                 vocab_chunk: int = 8192) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
+                 vocab_chunk: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
     """Position-weighted loss sums (see losses.drafter_loss_sums), the per-position TV [N, γ], and the DraftOutput."""
     out = drafter(packed, feats.captured[packed.ctx_rows])
     n, gamma, d = out.hidden.shape

@@ -21,7 +21,7 @@ from dstrain.models.registry import build_drafter
 from dstrain.monitor import Monitor, peak_memory_mb
 from dstrain.train import checkpoint
 from dstrain.train.losses import position_weights
-from dstrain.train.step import draft_losses, pack_samples, target_features
+from dstrain.train.step import FeatureCache, draft_losses, pack_samples, target_features
 
 
 def target_spec(target) -> TargetSpec:
@@ -84,6 +84,7 @@ class Trainer:
         self.engine, _, _, self.scheduler = deepspeed.initialize(model=drafter, optimizer=opt, lr_scheduler=sched,
                                                                  config=deepspeed_config(recipe), dist_init_required=False)
         self.drafter = drafter
+        self.cache = FeatureCache(recipe.train.target_cache_mb * 2**20) if recipe.train.target_cache_mb else None
         self.ckpt_dir = run_dir / "checkpoints"
         self.step = 0
 
@@ -113,7 +114,7 @@ class Trainer:
         confs, labels = [], []
         tokens = 0
         for samples, packed in zip(batches, packs):
-            feats = target_features(self.target, samples)
+            feats = target_features(self.target, samples, self.cache)
             tokens += feats.final_hidden.shape[0]
             sums, tv, out = draft_losses(self.engine.module, self.target.lm_head, packed, feats, r.loss)
             loss = sums["total"] * scale + r.drafter.ffn.aux_loss_coef * out.aux_loss / len(batches)
