@@ -163,7 +163,7 @@ class Trainer:
         self.resume()
         monitor = Monitor(self.run_dir, r, r.train.steps, self.step, self.is_main)
         stream = iter(self.loader)
-        history, t_last = [], time.perf_counter()
+        t_last = time.perf_counter()
         window = {"positions": 0, "tokens": 0}
         try:
             while self.step < r.train.steps:
@@ -180,13 +180,14 @@ class Trainer:
                     for i, m in enumerate(self.drafter.moe_layers()):
                         metrics[f"expert_load_max/layer{i}"] = float(m.last_load.max() * m.num_experts)
                     monitor.log(self.step, metrics)
-                    history.append({"step": self.step, **metrics})
                     t_last, window = now, {"positions": 0, "tokens": 0}
                 if self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
                     self.save()
         finally:
             monitor.close()
-        summary = {"steps": self.step, "first": history[0] if history else None, "last": history[-1] if history else None}
-        if self.is_main:
+        summary = {"steps": self.step, "first": None, "last": None}
+        if self.is_main:  # from the metrics file, so a resumed run still reports its true start
+            logged = [json.loads(line) for line in monitor.path.read_text().splitlines() if line.strip()]
+            summary.update(first=logged[0] if logged else None, last=logged[-1] if logged else None)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
