@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from dstrain.errors import UserError
+from dstrain.models.contract import spec_from_config
+from dstrain.models.registry import build_drafter
 from dstrain.recipe import Recipe
 from dstrain.target.base import default_capture_layers
 from dstrain.target.configs import TargetSizes, resolve_config, size_target
@@ -41,28 +45,14 @@ def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
         raise UserError(f"world.target.pp={t.pp} does not divide the target's {sizes.num_layers} layers")
 
 
-def drafter_param_estimate(recipe: Recipe, d: int, vocab: int, heads: int, kv_heads: int, inter: int, m: int) -> int:
-    """Trainable drafter parameters from the recipe (embedding and LM head are the target's, frozen)."""
-    dr = recipe.drafter
-    h = dr.num_heads or heads
-    hd = dr.head_dim or d // heads
-    kvh = min(kv_heads, h)
-    attn = d * h * hd + 2 * d * kvh * hd + h * hd * d + 2 * d  # q, k, v, o and two norms
-    ffn_i = dr.ffn.intermediate_size or inter
-    expert = 3 * d * ffn_i
-    if dr.ffn.type == "moe":
-        ffn = dr.ffn.num_experts * expert + d * dr.ffn.num_experts + (expert if dr.ffn.shared_expert else 0)
-    else:
-        ffn = expert
-    mhc = 2 * d * dr.mhc.streams * (dr.mhc.streams + 2) if dr.mhc.enabled else 0  # dynamic pre/post/res mixes per sublayer
-    layers = dr.num_layers * (attn + ffn + mhc)
-    fusion = m * d * d + d  # concat(m layers) -> d, RMSNorm
-    if dr.type == "mtp":
-        fusion = 2 * d * d + 2 * d  # eh_proj over [norm(emb); norm(h)] and two norms
-    r = dr.head_rank
-    head = {"markov": 2 * vocab * r, "rnn": vocab * r + (2 * r + d) * 3 * r + r * vocab, "none": 0}[dr.head]
-    conf = d + r + 1 if dr.confidence else 0
-    return layers + fusion + head + conf + d  # + final norm
+def drafter_param_count(recipe: Recipe, cfg, num_capture: int) -> int:
+    """Exact trainable drafter parameters: the drafter is built on the meta device (no memory, no weights).
+    The embedding and LM head are the target's, frozen, and not counted."""
+    spec = spec_from_config(cfg, num_capture)
+    with torch.device("meta"):
+        embedding = torch.nn.Embedding(spec.vocab_size, spec.hidden_size)
+        drafter = build_drafter(recipe.drafter, spec, embedding)
+    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
 def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: int) -> dict[str, dict[str, float]]:
@@ -108,8 +98,7 @@ def build_plan(recipe: Recipe) -> Plan:
     bad = [i for i in capture if not 0 <= i < sizes.num_layers]
     if bad:
         raise UserError(f"target.capture_layers {bad} out of range: the target has layers 0..{sizes.num_layers - 1}")
-    inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None) or 4 * sizes.hidden_size
-    dparams = drafter_param_estimate(recipe, sizes.hidden_size, sizes.vocab_size, sizes.num_heads, sizes.num_kv_heads, inter, len(capture))
+    dparams = drafter_param_count(recipe, cfg, len(capture))
     return Plan(recipe, source, sizes, list(capture), dparams, memory_estimate(recipe, sizes, dparams, len(capture)))
 
 
@@ -146,7 +135,7 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
               "confidence head" if dr.confidence else ""]
     add(f"  drafter  {dr.type}: {dr.num_layers} layers, gamma={dr.block_size}, window={dr.sliding_window or 'full'}, ffn={ffn}"
         + "".join(f", {e}" for e in extras if e))
-    add(f"           ~{_n(plan.drafter_params)} trainable params (estimate); embedding + LM head: the target's, frozen, not saved")
+    add(f"           {_n(plan.drafter_params)} trainable params; embedding + LM head: the target's, frozen, not saved")
     add(f"  loss     alpha_ce={r.loss.alpha_ce} alpha_tv={r.loss.alpha_tv} alpha_conf={r.loss.alpha_conf} gamma_decay={r.loss.gamma_decay}")
     add(f"  data     shards={r.data.shards} max_length={r.data.max_length} anchors/seq={r.anchors.per_sequence} shuffle={r.data.shuffle}")
     add(f"  train    {r.train.steps} steps x micro-batch {r.train.micro_batch_size} x accum {r.train.grad_accum}; lr {r.train.lr:g}"

@@ -157,6 +157,10 @@ class DrafterConfig(Section):
             raise ValueError(f"drafter.type={self.type} has no sequential or confidence head: set drafter.head=none and drafter.confidence=false")
         if self.type == "mtp" and self.block_size != 1:
             raise ValueError("drafter.type=mtp proposes one token: set drafter.block_size=1")
+        if self.type in ("eagle3", "mtp") and self.num_layers != 1:
+            raise ValueError(f"drafter.type={self.type} is one autoregressive layer: set drafter.num_layers=1")
+        if self.type in ("eagle3", "mtp") and self.mhc.enabled:
+            raise ValueError(f"drafter.type={self.type} is one layer with a plain residual: set drafter.mhc.enabled=false")
         return self
 
 

@@ -25,6 +25,7 @@ class PackedBlocks:
     labels: torch.Tensor  # [N, γ] x_{a+k}, IGNORE where not supervised
     ctx_rows: torch.Tensor  # [R] flat rows of the target features the blocks see (unique, sorted)
     ctx_pos: torch.Tensor  # [R] their positions inside their sequence (RoPE)
+    ctx_next_tokens: torch.Tensor  # [R] the token right after each context row (Eagle3/MTP pair feature j with x_{j+1})
     key_index: torch.Tensor  # [N, Wk] index into ctx_rows, −1 for an empty slot
     final_rows: torch.Tensor  # [N, γ] flat rows of the target's pre-LM-head states at a .. a+γ−1
     seq_index: torch.Tensor  # [N]
@@ -65,5 +66,6 @@ def pack_blocks(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], a
     key_index[slot_ok] = inverse
     seq_of_row = torch.searchsorted(offsets, ctx_rows, right=True) - 1
     return PackedBlocks(block_tokens=block_tokens, block_pos=block_pos, prev_tokens=prev_tokens, labels=labels,
-                        ctx_rows=ctx_rows, ctx_pos=ctx_rows - offsets[seq_of_row], key_index=key_index,
+                        ctx_rows=ctx_rows, ctx_pos=ctx_rows - offsets[seq_of_row],
+                        ctx_next_tokens=flat_ids[ctx_rows + 1], key_index=key_index,
                         final_rows=rows, seq_index=seq_index, anchors=anchor)

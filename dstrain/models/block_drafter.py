@@ -5,6 +5,8 @@ other slots. Context: the m captured target layers at the rows the block may see
 concat → Linear(m·d → d, no bias) → RMSNorm once, then projected by every layer's own k/v
 projections and injected as extra keys/values. Sliding window, "strictly before the anchor" and
 "blocks never see each other" are all carried by the packed key indices (data/packing.py).
+With mHC (drafter.mhc.enabled) the residual is n streams and each sublayer is wrapped by a
+HyperConnection (models/hyper.py); the context k/v injection is unchanged.
 """
 
 from __future__ import annotations
@@ -15,17 +17,15 @@ from torch import nn
 from dstrain.data.packing import PackedBlocks
 from dstrain.models.contract import DraftOutput, TargetSpec
 from dstrain.models.heads import ConfidenceHead, MarkovHead, RNNHead
-from dstrain.models.layers import MoE, BlockLayer, RMSNorm, SwiGLU
+from dstrain.models.hyper import HyperConnection, HyperHead
+from dstrain.models.layers import MoE, BlockLayer, RMSNorm, attention_shape, make_ffn
 
 
 class BlockDrafter(nn.Module):
     def __init__(self, cfg, spec: TargetSpec, embedding: nn.Embedding):
         super().__init__()
         d = spec.hidden_size
-        heads = cfg.num_heads or spec.num_heads
-        head_dim = cfg.head_dim or d // spec.num_heads
-        kv_heads = spec.num_kv_heads if spec.num_kv_heads <= heads and heads % spec.num_kv_heads == 0 else heads
-        inter = cfg.ffn.intermediate_size or spec.intermediate_size
+        heads, kv_heads, head_dim = attention_shape(cfg, spec)
         self.cfg, self.spec = cfg, spec
         object.__setattr__(self, "_embedding", embedding)  # the target's, frozen: not a parameter, never saved
         self.fuse = nn.Linear(spec.num_capture * d, d, bias=False)
@@ -33,9 +33,12 @@ class BlockDrafter(nn.Module):
         self.mask_embed = nn.Parameter(torch.zeros(d))
         self.layers = nn.ModuleList()
         for _ in range(cfg.num_layers):
-            f = cfg.ffn
-            ffn = MoE(d, inter, f.num_experts, f.top_k, f.shared_expert, f.balance) if f.type == "moe" else SwiGLU(d, inter)
-            self.layers.append(BlockLayer(d, heads, kv_heads, head_dim, ffn, spec.rope_theta))
+            self.layers.append(BlockLayer(d, heads, kv_heads, head_dim, make_ffn(cfg, spec), spec.rope_theta))
+        mhc = cfg.mhc
+        self.streams = mhc.streams if mhc.enabled else 0
+        if mhc.enabled:  # one mapping around each sublayer: [attention, FFN] per layer
+            self.hyper = nn.ModuleList(HyperConnection(d, mhc.streams, mhc.sinkhorn_iters) for _ in range(2 * cfg.num_layers))
+            self.hyper_head = HyperHead(d, mhc.streams)
         self.norm = RMSNorm(d)
         self.seq_head = {"markov": lambda: MarkovHead(spec.vocab_size, cfg.head_rank),
                          "rnn": lambda: RNNHead(spec.vocab_size, cfg.head_rank, d), "none": lambda: None}[cfg.head]()
@@ -58,12 +61,20 @@ class BlockDrafter(nn.Module):
         x = torch.cat([anchor_embed, self.mask_embed.expand(n, gamma - 1, -1)], dim=1)
         ctx = self.fuse_norm(self.fuse(ctx_features.reshape(ctx_features.shape[0], -1).to(dtype)))
         aux = x.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
+        if self.streams:
+            x = x.unsqueeze(-2).expand(-1, -1, self.streams, -1).contiguous()
+        for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.context_kv(ctx, packed.ctx_pos)
-            x = x + layer.attend(x, packed.block_pos, k_ctx, v_ctx, packed.key_index)
-            out, layer_aux = layer.feed_forward(x)
-            x, aux = x + out, aux + layer_aux
-        hidden = self.norm(x)
+            attend = lambda h: layer.attend(h, packed.block_pos, k_ctx, v_ctx, packed.key_index)  # noqa: E731
+            if self.streams:
+                x, _ = self.hyper[2 * i](x, attend)
+                x, layer_aux = self.hyper[2 * i + 1](x, layer.feed_forward)
+            else:
+                x = x + attend(x)
+                out, layer_aux = layer.feed_forward(x)
+                x = x + out
+            aux = aux + layer_aux
+        hidden = self.norm(self.hyper_head(x) if self.streams else x)
         factor = conf = None
         if self.seq_head is not None:
             factor = self.seq_head(hidden, packed.prev_tokens)

@@ -32,6 +32,14 @@ class TargetSpec:
     rope_theta: float = 10000.0
 
 
+def spec_from_config(cfg, num_capture: int) -> TargetSpec:
+    """The TargetSpec of a Hugging Face config (the plan reads it from a config, the trainer from a loaded target)."""
+    inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return TargetSpec(cfg.hidden_size, cfg.vocab_size, num_capture, cfg.num_attention_heads,
+                      getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, inter, float(theta))
+
+
 class Drafter(Protocol):
     def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput: ...
 

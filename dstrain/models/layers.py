@@ -85,15 +85,22 @@ class MoE(nn.Module):
 
 
 class BlockLayer(nn.Module):
-    """Pre-norm layer: block tokens attend to their own block and to injected context keys/values."""
+    """Pre-norm layer: block tokens attend to their own block and to injected context keys/values.
 
-    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: nn.Module, rope_theta: float):
+    attn_in: width of what q/k/v read (default d). Eagle3 reads [norm(embedding); norm(hidden)] of
+    width 2d, normalised by the caller half by half, so no norm is applied here in that case.
+    """
+
+    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: nn.Module, rope_theta: float,
+                 attn_in: int | None = None):
         super().__init__()
+        attn_in = attn_in or d
         self.heads, self.kv_heads, self.head_dim, self.rope_theta = heads, kv_heads, head_dim, rope_theta
-        self.attn_norm, self.ffn_norm = RMSNorm(d), RMSNorm(d)
-        self.q_proj = nn.Linear(d, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
+        self.attn_norm = RMSNorm(d) if attn_in == d else nn.Identity()
+        self.ffn_norm = RMSNorm(d)
+        self.q_proj = nn.Linear(attn_in, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(attn_in, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(attn_in, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, d, bias=False)
         self.ffn = ffn
 
@@ -102,14 +109,36 @@ class BlockLayer(nn.Module):
         k = self.k_proj(ctx).view(-1, self.kv_heads, self.head_dim)
         return rope(k, ctx_pos, self.rope_theta), self.v_proj(ctx).view(-1, self.kv_heads, self.head_dim)
 
-    def attend(self, x: torch.Tensor, pos: torch.Tensor, k_ctx, v_ctx, key_index) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, pos: torch.Tensor, k_ctx, v_ctx, key_index, cache: list | None = None) -> torch.Tensor:
+        """cache: for autoregressive unrolling (Eagle3's training-time test) — the (k, v) of earlier block
+        entries; this call appends its own, and its queries see every cached entry (causal by construction)."""
         n, g, _ = x.shape
         h = self.attn_norm(x)
         q = rope(self.q_proj(h).view(n, g, self.heads, self.head_dim), pos, self.rope_theta)
         k = rope(self.k_proj(h).view(n, g, self.kv_heads, self.head_dim), pos, self.rope_theta)
         v = self.v_proj(h).view(n, g, self.kv_heads, self.head_dim)
+        if cache is not None:
+            cache.append((k, v))
+            k, v = torch.cat([c[0] for c in cache], dim=1), torch.cat([c[1] for c in cache], dim=1)
         return self.o_proj(block_attention(q, k, v, k_ctx, v_ctx, key_index).reshape(n, g, -1))
 
     def feed_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.ffn(self.ffn_norm(x))
         return out if isinstance(out, tuple) else (out, x.new_zeros(()))
+
+
+def attention_shape(cfg, spec) -> tuple[int, int, int]:
+    """(heads, kv_heads, head_dim) of a draft layer: the recipe's, else the target's (GQA kept when it divides)."""
+    heads = cfg.num_heads or spec.num_heads
+    head_dim = cfg.head_dim or spec.hidden_size // spec.num_heads
+    kv_heads = spec.num_kv_heads if spec.num_kv_heads <= heads and heads % spec.num_kv_heads == 0 else heads
+    return heads, kv_heads, head_dim
+
+
+def make_ffn(cfg, spec) -> nn.Module:
+    """The drafter FFN the recipe asks for: dense SwiGLU or MoE."""
+    f = cfg.ffn
+    inter = f.intermediate_size or spec.intermediate_size
+    if f.type == "moe":
+        return MoE(spec.hidden_size, inter, f.num_experts, f.top_k, f.shared_expert, f.balance)
+    return SwiGLU(spec.hidden_size, inter)

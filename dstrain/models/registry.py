@@ -8,14 +8,16 @@ from torch import nn
 
 from dstrain.errors import UserError
 from dstrain.models.block_drafter import BlockDrafter
+from dstrain.models.chain_drafter import ChainDrafter
 from dstrain.models.contract import TargetSpec
 
-DRAFTERS: dict[str, Callable[..., nn.Module]] = {"dspark": BlockDrafter, "dflash": BlockDrafter}
+DRAFTERS: dict[str, Callable[..., nn.Module]] = {
+    "dspark": BlockDrafter, "dflash": BlockDrafter,  # parallel block backbone
+    "eagle3": ChainDrafter, "mtp": ChainDrafter,  # one autoregressive layer
+}
 
 
 def build_drafter(cfg, spec: TargetSpec, embedding: nn.Embedding) -> nn.Module:
-    if cfg.mhc.enabled:
-        raise UserError("drafter.mhc.enabled=true: hyper-connections are not in this build yet; set drafter.mhc.enabled=false")
     builder = DRAFTERS.get(cfg.type)
     if builder is None:
         raise UserError(f"drafter.type={cfg.type}: not in this build yet (available: {', '.join(DRAFTERS)})")

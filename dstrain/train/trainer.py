@@ -16,20 +16,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dstrain.models.contract import TargetSpec
+from dstrain.models.contract import spec_from_config
 from dstrain.models.registry import build_drafter
 from dstrain.monitor import Monitor, peak_memory_mb
 from dstrain.train import checkpoint
 from dstrain.train.losses import position_weights
 from dstrain.train.step import FeatureCache, draft_losses, pack_samples, target_features
-
-
-def target_spec(target) -> TargetSpec:
-    cfg = target.model.config
-    inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
-    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return TargetSpec(cfg.hidden_size, cfg.vocab_size, len(target.capture_layers), cfg.num_attention_heads,
-                      getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, inter, float(theta))
 
 
 def lr_lambda(train_cfg):
@@ -75,7 +67,7 @@ class Trainer:
         self.recipe, self.target, self.loader, self.run_dir = recipe, target, loader, run_dir
         self.dp_world, self.is_main = dp_world, is_main
         torch.manual_seed(recipe.run.seed)
-        drafter = build_drafter(recipe.drafter, target_spec(target), target.embedding)
+        drafter = build_drafter(recipe.drafter, spec_from_config(target.model.config, len(target.capture_layers)), target.embedding)
         decay = [p for p in drafter.parameters() if p.dim() >= 2]
         no_decay = [p for p in drafter.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.train.weight_decay},
