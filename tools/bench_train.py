@@ -4,9 +4,10 @@
 Both paths run the same DSpark drafter weights on the same sequences, anchors and target features:
   packed     anchor-bounded packing, token-level key indices (context rows inside each block's window
              only), chunked-vocabulary CE / TV / confidence losses;
-  reference  the way the public DeepSpec code does it: whole sequences, every context position
-             projected, one dense [queries x (context + queries)] mask, full-vocabulary fp32 softmaxes
-             for draft and target.
+  reference  the way public trainers (DeepSpec, SpecForge) do it: whole sequences, every context
+             position projected, a dense [queries x (context + queries)] mask per sequence, full-vocabulary
+             fp32 softmaxes for the draft and for the target over every position of the sequence.
+Both compute the same loss (printed as a check).
 Each (path, context length) runs in its own process so peak memory is its own. Prints supervised
 positions/s and peak step memory for both, and the ratios (goals: >= 3x throughput, <= 1/3 memory,
 packed cost flat as context grows 4x).
@@ -61,43 +62,50 @@ def packed_step(drafter, lm_head, packed, captured, final, loss_cfg):
     from dstrain.train.step import TargetFeatures, draft_losses
 
     sums, _, out = draft_losses(drafter, lm_head, packed, TargetFeatures(captured, final), loss_cfg)
-    (sums["total"] / sums["weight"]).backward()
+    loss = sums["total"] / sums["weight"]
+    loss.backward()
+    return loss.item()
 
 
 def reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context: int, window):
-    """Dense-mask attention over every context position and full-vocabulary fp32 distributions."""
+    """Per sequence: every context position projected, a dense [queries x (context + queries)] mask, and
+    full-vocabulary fp32 softmaxes — the draft at the block positions, the target over the whole sequence
+    (logits from a whole-sequence hidden-state cache, then gathered), as SpecForge-style trainers compute them."""
     from dstrain.models.layers import rope
     from dstrain.train.losses import position_weights
 
     n, gamma = packed.block_tokens.shape
-    ctx = drafter.fuse_norm(drafter.fuse(captured.reshape(captured.shape[0], -1)))  # every position, not just the windows
-    ctx_pos = torch.arange(context).repeat(captured.shape[0] // context)
-    seq_of_row = torch.arange(captured.shape[0]) // context
+    b = captured.shape[0] // context
+    per = n // b  # every sequence has the same number of anchors here
+    ctx = drafter.fuse_norm(drafter.fuse(captured.reshape(captured.shape[0], -1))).view(b, context, -1)
+    ctx_pos = torch.arange(context)
     with torch.no_grad():
         anchor = drafter._embedding(packed.block_tokens[:, :1])
-    x = torch.cat([anchor, drafter.mask_embed.expand(n, gamma - 1, -1)], 1).reshape(1, n * gamma, -1)
-    qb = torch.arange(n).repeat_interleave(gamma)
-    a = packed.anchors[qb][:, None]
+    x = torch.cat([anchor, drafter.mask_embed.expand(n, gamma - 1, -1)], 1).reshape(b, per * gamma, -1)
+    a = packed.anchors.view(b, per).repeat_interleave(gamma, 1)[..., None]  # [B, Q, 1]
     lo = a - window if window else torch.zeros_like(a)
-    ok_ctx = (seq_of_row[None] == packed.seq_index[qb][:, None]) & (ctx_pos[None] < a) & (ctx_pos[None] >= lo)
-    mask = torch.cat([ok_ctx, qb[:, None] == qb[None, :]], 1)[None, None]  # [1, 1, Q, T + Q]
-    pos = packed.block_pos.reshape(1, -1)
+    ok_ctx = (ctx_pos < a) & (ctx_pos >= lo)  # [B, Q, T]
+    qb = torch.arange(per).repeat_interleave(gamma)
+    mask = torch.cat([ok_ctx, (qb[:, None] == qb[None, :]).expand(b, -1, -1)], 2)[:, None]  # [B, 1, Q, T + Q]
+    pos = packed.block_pos.reshape(b, -1)
     for layer in drafter.layers:
         h = layer.attn_norm(x)
-        q = rope(layer.q_proj(h).view(1, -1, layer.heads, layer.head_dim), pos, layer.rope_theta)
-        k_blk = rope(layer.k_proj(h).view(1, -1, layer.kv_heads, layer.head_dim), pos, layer.rope_theta)
-        v_blk = layer.v_proj(h).view(1, -1, layer.kv_heads, layer.head_dim)
-        k_ctx, v_ctx = layer.context_kv(ctx, ctx_pos)
-        k = torch.cat([k_ctx[None], k_blk], 1).repeat_interleave(layer.heads // layer.kv_heads, 2)
-        v = torch.cat([v_ctx[None], v_blk], 1).repeat_interleave(layer.heads // layer.kv_heads, 2)
+        q = rope(layer.q_proj(h).view(b, -1, layer.heads, layer.head_dim), pos, layer.rope_theta)
+        k_blk = rope(layer.k_proj(h).view(b, -1, layer.kv_heads, layer.head_dim), pos, layer.rope_theta)
+        v_blk = layer.v_proj(h).view(b, -1, layer.kv_heads, layer.head_dim)
+        k_ctx, v_ctx = layer.context_kv(ctx.reshape(b * context, -1), ctx_pos.repeat(b))
+        k = torch.cat([k_ctx.view(b, context, *k_ctx.shape[1:]), k_blk], 1).repeat_interleave(layer.heads // layer.kv_heads, 2)
+        v = torch.cat([v_ctx.view(b, context, *v_ctx.shape[1:]), v_blk], 1).repeat_interleave(layer.heads // layer.kv_heads, 2)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-        x = x + layer.o_proj(o.transpose(1, 2).reshape(1, n * gamma, -1))
+        x = x + layer.o_proj(o.transpose(1, 2).reshape(b, per * gamma, -1))
         x = x + layer.feed_forward(x)[0]
     hidden = drafter.norm(x).reshape(n, gamma, -1)
     factor = drafter.seq_head(hidden, packed.prev_tokens)
     logits = (lm_head(hidden) + factor @ drafter.seq_w2).float()
     p_d = logits.softmax(-1)
-    p_t = lm_head(final[packed.final_rows]).float().softmax(-1)
+    with torch.no_grad():
+        p_t_all = lm_head(final).float().softmax(-1)  # every position of every sequence
+    p_t = p_t_all[packed.final_rows]
     tv = (p_d - p_t).abs().sum(-1)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), packed.labels.reshape(-1).clamp(min=0), reduction="none").view(n, gamma)
     conf = drafter.conf_head(hidden, drafter.seq_head.w1(packed.prev_tokens))
@@ -105,6 +113,7 @@ def reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context:
     w = position_weights(gamma, loss_cfg.gamma_decay)[None] * packed.valid
     loss = (w * (loss_cfg.alpha_ce * ce + loss_cfg.alpha_tv * tv + loss_cfg.alpha_conf * bce)).sum() / w.sum()
     loss.backward()
+    return loss.item()
 
 
 def measure(args) -> dict:
@@ -115,7 +124,7 @@ def measure(args) -> dict:
     loss_cfg = LossConfig()
     run = (lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg)) if args.path == "packed" else \
           (lambda: reference_step(drafter, lm_head, packed, captured, final, loss_cfg, args.context, args.window))
-    run()  # warm-up
+    loss = run()  # warm-up; both paths must compute the same loss
     drafter.zero_grad()
     base = rss_mb()
     t0 = time.perf_counter()
@@ -126,12 +135,12 @@ def measure(args) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     positions = int(packed.valid.sum())
     return {"path": args.path, "context": args.context, "seconds": dt, "positions_per_s": positions / dt,
-            "peak_step_mb": max(peak - base, 0.0), "positions": positions}
+            "peak_step_mb": max(peak - base, 0.0), "positions": positions, "loss": loss}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="512,1024,2048", help="sequence lengths to compare (default %(default)s)")
+    ap.add_argument("--contexts", default="512,2048,8192", help="sequence lengths to compare (default %(default)s)")
     ap.add_argument("--hidden", type=int, default=576, help="SmolLM2 sizes by default")
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--heads", type=int, default=9)
@@ -160,6 +169,8 @@ def main() -> int:
                 print(f"{path} @ {context}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
                 return 1
             rows[(path, context)] = json.loads(out.stdout.strip().splitlines()[-1])
+    worst = max(abs(rows[("packed", c)]["loss"] - rows[("reference", c)]["loss"]) for _, c in rows)
+    print(f"same work: |loss(packed) - loss(reference)| <= {worst:.2e} at every context length")
     print(f"{'context':>8} {'packed pos/s':>13} {'ref pos/s':>10} {'speedup':>8} {'packed MB':>10} {'ref MB':>8} {'mem ratio':>9}")
     contexts = sorted({c for _, c in rows})
     for c in contexts:

@@ -42,11 +42,13 @@ class _ChunkedDivergence(torch.autograd.Function):
         ctx.kept = None
         if chunk >= vocab:  # one chunk: compute the logits once and keep what backward needs (N x V, fits the budget)
             u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, 0, vocab)
+            # fused kernels and in-place passes: this path is memory-bound on CPU once the matmuls are done
             lse_d, lse_t = torch.logsumexp(u, dim=-1), torch.logsumexp(t, dim=-1)
-            p_d = torch.exp(u - lse_d[:, None])
-            diff = p_d - torch.exp(t - lse_t[:, None])
-            sign = torch.sign(diff)
-            tv, signed = diff.abs().sum(-1), (p_d * sign).sum(-1)
+            p_d = u.sub_(lse_d[:, None]).exp_()
+            diff = t.sub_(lse_t[:, None]).exp_().neg_().add_(p_d)  # p_d - p_t, in t's storage
+            tv = torch.linalg.vector_norm(diff, 1, dim=-1)
+            sign = diff.sign_()
+            signed = torch.bmm(p_d[:, None, :], sign[:, :, None]).view(-1)
             ctx.kept = (p_d, sign.to(torch.int8))
         else:
             lse_d = torch.full((n,), -math.inf, device=h_d.device, dtype=h_d.dtype)
@@ -85,12 +87,14 @@ class _ChunkedDivergence(torch.autograd.Function):
         for lo in range(0, lm_weight.shape[0], ctx.chunk):
             hi = min(lo + ctx.chunk, lm_weight.shape[0])
             if ctx.kept is not None:
-                p_d, sign = ctx.kept[0], ctx.kept[1].to(h_d.dtype)
+                p_d, sign = ctx.kept[0], ctx.kept[1]
+                # p_d ⊙ (g_ce + g_tv·(s − Σ p_d s)) built in one buffer
+                grad_u = sign.to(h_d.dtype).mul_(g_tv[:, None]).add_((g_ce - g_tv * signed)[:, None]).mul_(p_d)
             else:
                 u, t = _chunk_logits(h_d, a, markov_w2, h_t, lm_weight, lo, hi)
                 p_d = torch.exp(u - lse_d[:, None])
                 sign = torch.sign(p_d - torch.exp(t - lse_t[:, None]))
-            grad_u = g_ce[:, None] * p_d + g_tv[:, None] * p_d * (sign - signed[:, None])
+                grad_u = g_ce[:, None] * p_d + g_tv[:, None] * p_d * (sign - signed[:, None])
             here = valid & (labels >= lo) & (labels < hi)
             grad_u[rows[here], labels[here] - lo] -= g_ce[here]
             grad_h += grad_u @ lm_weight[lo:hi].to(h_d.dtype)
