@@ -1,6 +1,7 @@
 """The trainer: exact resume after kill -9, gradient accumulation that weighs every token equally, checkpoints."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -72,6 +73,23 @@ def test_gradient_accumulation_counts_every_token_equally(tmp_path, tiny_shards)
     a, b = losses(tmp_path / "one" / "tiny-moe-dspark"), losses(tmp_path / "two" / "tiny-moe-dspark")
     for step in range(1, 5):
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+    # bf16 (DeepSpeed's bf16 engine: bf16 weights and activations, fp32 master weights; losses in fp32) tracks fp32
+    run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", *common, "train.micro_batch_size=4", "deepspeed.precision=bf16",
+             f"run.output_dir={tmp_path / 'bf16'}")
+    c = losses(tmp_path / "bf16" / "tiny-moe-dspark")
+    for step in range(1, 5):
+        assert abs(a[step] - c[step]) < 0.03 * a[step], (step, a[step], c[step])
+
+
+@pytest.mark.parametrize("family", [["drafter.type=eagle3"], ["drafter.type=mtp", "drafter.block_size=1"]])
+def test_autoregressive_families_train_through_the_same_trainer(tmp_path, tiny_shards, family):
+    run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={tiny_shards}", "train.steps=3", "train.warmup_steps=1",
+             "train.log_every=1", "drafter.num_layers=1", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0",
+             *family, f"run.output_dir={tmp_path}")
+    summary = json.loads((tmp_path / "tiny-moe-dspark" / "summary.json").read_text())
+    gamma = 1 if "mtp" in family[0] else 4
+    assert summary["steps"] == 3 and f"acceptance@{gamma}" in summary["last"] and f"acceptance@{gamma + 1}" not in summary["last"]
+    assert "calibration_error" not in summary["last"] and all(map(math.isfinite, losses(tmp_path / "tiny-moe-dspark").values()))
 
 
 def test_damaged_checkpoint_and_wrong_world_are_one_line_errors(tmp_path, tiny_shards):

@@ -116,7 +116,7 @@ class Trainer:
             self.engine.step()
             for k in ("ce", "tv", "conf"):
                 acc[k] += float(sums.get(k, torch.zeros(())).detach() * scale)
-            acc["aux"] += float(out.aux_loss) / len(batches)
+            acc["aux"] += float(out.aux_loss.detach()) / len(batches)
             valid = packed.valid
             accept = (1 - 0.5 * tv).clamp(0, 1)
             pos_acc += (accept * valid).sum(0)
