@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dstrain.data.packing import PackedBlocks
-from dstrain.models.contract import DraftOutput, TargetSpec
+from dstrain.models.contract import DraftOutput, Proposal, TargetSpec
 from dstrain.models.heads import ConfidenceHead, MarkovHead, RNNHead
 from dstrain.models.hyper import HyperConnection, HyperHead
 from dstrain.models.layers import MoE, BlockLayer, RMSNorm, attention_shape, make_ffn
@@ -53,7 +53,8 @@ class BlockDrafter(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoE)]
 
-    def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput:
+    def backbone(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parallel stage: normed hidden states [N, γ, d] of every block position, and the MoE aux loss."""
         dtype = self.fuse.weight.dtype
         with torch.no_grad():
             anchor_embed = self._embedding(packed.block_tokens[:, :1]).to(dtype)
@@ -74,7 +75,11 @@ class BlockDrafter(nn.Module):
                 out, layer_aux = layer.feed_forward(x)
                 x = x + out
             aux = aux + layer_aux
-        hidden = self.norm(self.hyper_head(x) if self.streams else x)
+        return self.norm(self.hyper_head(x) if self.streams else x), aux
+
+    def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput:
+        """Training: the sequential and confidence heads are teacher-forced with the ground-truth previous tokens."""
+        hidden, aux = self.backbone(packed, ctx_features)
         factor = conf = None
         if self.seq_head is not None:
             factor = self.seq_head(hidden, packed.prev_tokens)
@@ -83,3 +88,28 @@ class BlockDrafter(nn.Module):
         moe = self.moe_layers()
         load = torch.stack([m.last_load for m in moe]) if moe else None
         return DraftOutput(hidden=hidden, seq_factor=factor, confidence_logits=conf, aux_loss=aux, expert_load=load)
+
+    @torch.no_grad()
+    def propose(self, packed: PackedBlocks, ctx_features: torch.Tensor, lm_head: nn.Linear, pick) -> Proposal:
+        """Decoding: one backbone pass, then the sequential stage left to right on the *sampled* tokens
+        (x_0 = the anchor); the RNN state is carried from step to step. pick(logits) -> (tokens, probs)."""
+        hidden, _ = self.backbone(packed, ctx_features)
+        n, gamma, _ = hidden.shape
+        prev = packed.block_tokens[:, 0]
+        state = hidden.new_zeros(n, self.seq_head.rank) if isinstance(self.seq_head, RNNHead) else None
+        tokens, probs, confs = [], [], []
+        for k in range(gamma):
+            h = hidden[:, k]
+            logits = lm_head(h.to(lm_head.weight.dtype)).float()
+            if self.seq_head is not None:
+                if state is not None:
+                    state, factor = self.seq_head.step(state, prev, h)
+                else:
+                    factor = self.seq_head.w1(prev)
+                logits = logits + (factor @ self.seq_head.w2).float()
+            if self.conf_head is not None:
+                confs.append(self.conf_head(h, self.seq_head.w1(prev)).float())
+            prev, q = pick(logits)
+            tokens.append(prev)
+            probs.append(q)
+        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confs, 1) if confs else None)

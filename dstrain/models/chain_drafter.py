@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dstrain.data.packing import PackedBlocks
-from dstrain.models.contract import DraftOutput, TargetSpec
+from dstrain.models.contract import DraftOutput, Proposal, TargetSpec
 from dstrain.models.layers import MoE, BlockLayer, RMSNorm, attention_shape, make_ffn
 
 
@@ -61,11 +61,13 @@ class ChainDrafter(nn.Module):
         pair = torch.cat([self.embed_norm(embed.to(hidden.dtype)), self.hidden_norm(hidden)], dim=-1)
         return pair if self.eagle else self.eh_proj(pair)
 
-    def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput:
+    def _unroll(self, packed: PackedBlocks, ctx_features: torch.Tensor, feed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """γ autoregressive steps. Step 1 reads the anchor token; feed(k, normed_state_k) gives the token read at step k+1
+        (training: the ground truth; decoding: the token just sampled)."""
         n, gamma = packed.block_tokens.shape
         g = self._hidden(ctx_features)
         with torch.no_grad():
-            ctx_embed, blk_embed = self._embedding(packed.ctx_next_tokens), self._embedding(packed.prev_tokens)
+            ctx_embed = self._embedding(packed.ctx_next_tokens)
         ctx_in = self._entry(ctx_embed, g)
         k_ctx, v_ctx = self.layer.context_kv(self.layer.attn_norm(ctx_in), packed.ctx_pos)
         # The window's last slot is position a−1: that entry is the block's own first step, not context.
@@ -76,16 +78,39 @@ class ChainDrafter(nn.Module):
         g_or_zero = torch.cat([g, g.new_zeros(1, g.shape[1])])  # an anchor at position 0 has no feature a−1
         h = g_or_zero[torch.where(own >= 0, own, len(g))]
         pos = packed.block_pos - 1  # entry k sits at feature position a+k−2
+        token = packed.block_tokens[:, 0]
         cache: list = []
         outs, loads, aux = [], [], h.new_zeros((), dtype=torch.float32)
         for k in range(gamma):
-            inp = self._entry(blk_embed[:, k : k + 1], h[:, None])
+            with torch.no_grad():
+                embed = self._embedding(token)[:, None]
+            inp = self._entry(embed, h[:, None])
             x = (h[:, None] if self.eagle else inp) + self.layer.attend(inp, pos[:, k : k + 1], k_ctx, v_ctx, key_index, cache)
             out, layer_aux = self.layer.feed_forward(x)
             x, aux = x + out, aux + layer_aux
-            outs.append(x)
+            outs.append(self.norm(x))
             loads += [m.last_load for m in self.moe_layers()]
             h = x[:, 0]
+            if k + 1 < gamma:
+                token = feed(k, outs[-1][:, 0])
         load = torch.stack(loads).view(gamma, -1, loads[0].shape[-1]).mean(0) if loads else None
-        return DraftOutput(hidden=self.norm(torch.cat(outs, dim=1)), seq_factor=None, confidence_logits=None,
-                           aux_loss=aux / gamma, expert_load=load)
+        return torch.cat(outs, dim=1), aux / gamma, load
+
+    def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput:
+        """Training-time test with teacher forcing: step k+1 reads the ground-truth x_{a+k}."""
+        hidden, aux, load = self._unroll(packed, ctx_features, lambda k, _state: packed.prev_tokens[:, k + 1])
+        return DraftOutput(hidden=hidden, seq_factor=None, confidence_logits=None, aux_loss=aux, expert_load=load)
+
+    @torch.no_grad()
+    def propose(self, packed: PackedBlocks, ctx_features: torch.Tensor, lm_head: nn.Linear, pick) -> Proposal:
+        tokens, probs = [], []
+
+        def feed(_k, state):
+            token, q = pick(lm_head(state.to(lm_head.weight.dtype)).float())
+            tokens.append(token)
+            probs.append(q)
+            return token
+
+        hidden, _, _ = self._unroll(packed, ctx_features, feed)
+        feed(None, hidden[:, -1])  # the last step's token is sampled but never read
+        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1), None)

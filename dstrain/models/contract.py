@@ -20,6 +20,15 @@ class DraftOutput:
 
 
 @dataclass
+class Proposal:
+    """What a drafter proposes for one decoding round (one block per request)."""
+
+    tokens: torch.Tensor  # [R, γ] sampled draft tokens
+    probs: torch.Tensor  # [R, γ, V] the exact draft distributions they were sampled from (rejection sampling needs them)
+    confidence_logits: torch.Tensor | None  # [R, γ]: c_k = σ(logit), computed before x_k is sampled
+
+
+@dataclass
 class TargetSpec:
     """The target sizes a drafter is built against (from the TargetBackend)."""
 
@@ -42,6 +51,8 @@ def spec_from_config(cfg, num_capture: int) -> TargetSpec:
 
 class Drafter(Protocol):
     def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput: ...
+
+    def propose(self, packed: PackedBlocks, ctx_features: torch.Tensor, lm_head, pick) -> Proposal: ...
 
     @property
     def seq_w2(self) -> torch.Tensor | None: ...

@@ -59,7 +59,10 @@ class HFTarget:
         return hidden
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None,
+                past_key_values=None) -> TargetOutput:
+        """Training: whole sequences, no cache. Decoding: pass a transformers Cache (extended in place),
+        explicit position_ids and a 2-D mask over [cached + new] slots (0 = a slot nobody may attend to)."""
         grabbed: dict[int, torch.Tensor] = {}
         handles = []
         layers = self._base.layers
@@ -68,7 +71,8 @@ class HFTarget:
                 grabbed[idx] = out[0] if isinstance(out, tuple) else out
             handles.append(layers[idx].register_forward_hook(hook))
         try:
-            out = self._base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self._base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=past_key_values, use_cache=past_key_values is not None)
         finally:
             for h in handles:
                 h.remove()

@@ -1,0 +1,145 @@
+"""Speculative decoding is lossless: the tokens it emits follow the target's own distribution.
+
+On a 16-token target: greedy speculative decoding equals greedy decoding and transformers' generate
+token for token; at temperature 1 a chi-square test over 10^5 samples of the two tokens decided by
+speculative rounds (y2, y3), against their exact distribution enumerated from the target, for every
+drafter family, with and without confidence truncation and with the scheduler.
+"""
+
+import pytest
+import torch
+
+from conftest import ROOT
+from dstrain.models.contract import spec_from_config
+from dstrain.models.registry import build_drafter
+from dstrain.recipe import load_recipe
+from dstrain.scheduler import schedule
+from dstrain.spec.decode import LengthPolicy, SpecDecoder
+from dstrain.spec.sampling import verify
+from dstrain.target import load_target
+
+VOCAB = 16
+PROMPT = [3, 1, 4, 1, 5, 9]
+NO_HEADS = ["drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0"]
+FAMILIES = {
+    "dspark-markov": [],
+    "dspark-rnn": ["drafter.head=rnn"],
+    "dflash": ["drafter.type=dflash", *NO_HEADS],
+    "eagle3": ["drafter.type=eagle3", "drafter.num_layers=1", *NO_HEADS],
+    "mtp": ["drafter.type=mtp", "drafter.num_layers=1", "drafter.block_size=1", *NO_HEADS],
+}
+
+
+def build(family_overrides, sharpen=3.0):
+    small = [f"target.hf_config.vocab_size={VOCAB}", "target.hf_config.hidden_size=16", "target.hf_config.intermediate_size=16",
+             "target.hf_config.num_hidden_layers=2", "target.hf_config.num_attention_heads=2", "target.num_capture=2",
+             "drafter.num_layers=1", "drafter.ffn.type=dense", "drafter.ffn.intermediate_size=16", "drafter.head_rank=8"]
+    recipe = load_recipe(ROOT / "recipes/tiny_moe.yaml", [*small, *family_overrides])
+    target = load_target(recipe.target, seed=0)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(sharpen)  # peaked but not degenerate next-token distributions
+    torch.manual_seed(1)
+    drafter = build_drafter(recipe.drafter, spec_from_config(target.model.config, len(target.capture_layers)), target.embedding)
+    return recipe, target, drafter.eval()
+
+
+def exact_y2_y3(target) -> torch.Tensor:
+    """P(y2, y3) = Σ_y1 p(y1|P) p(y2|P,y1) p(y3|P,y1,y2), enumerated in one batched forward."""
+    grid = torch.cartesian_prod(*[torch.arange(VOCAB)] * 3)  # [V^3, 3]
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(grid), -1), grid], dim=1)
+    with torch.no_grad():
+        logp = target.lm_head(target(ids).final_hidden).float().log_softmax(-1)
+    n = len(PROMPT)
+    joint = (logp[:, n - 1].gather(1, grid[:, :1]) + logp[:, n].gather(1, grid[:, 1:2]) + logp[:, n + 1].gather(1, grid[:, 2:3])).exp()
+    return joint.view(VOCAB, VOCAB, VOCAB).sum(0)
+
+
+def chi_square_p(counts: torch.Tensor, expected_prob: torch.Tensor) -> float:
+    total = counts.sum()
+    expected = expected_prob.flatten().double() * total
+    counts = counts.flatten().double()
+    small = expected < 5  # pool sparse cells so the chi-square approximation holds
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+BATCH = 25_000
+
+
+def sample_y2_y3(decoder, total=100_000) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB)
+    for _ in range(total // BATCH):
+        gen = decoder.generate([PROMPT] * BATCH, max_new_tokens=3)
+        out = torch.tensor(gen.outputs)
+        counts.index_put_((out[:, 1], out[:, 2]), torch.ones(len(out)), accumulate=True)
+    return counts
+
+
+def test_greedy_speculative_equals_greedy_and_transformers_generate():
+    recipe, target, drafter = build([], sharpen=1.0)
+    prompts = [[5, 9, 13, 2, 7], [3, 3], [10, 2, 3, 4, 11, 12, 13, 14]]  # different lengths: left padding + holes
+    plain = SpecDecoder(target, None, temperature=0).generate(prompts, 12)
+    spec = SpecDecoder(target, drafter, gamma=4, window=32, temperature=0).generate(prompts, 12)
+    assert spec.outputs == plain.outputs
+    rounds = spec.rounds
+    assert (rounds["accepted"] > 0).any() and (rounds["accepted"] < rounds["proposed"]).any()  # both paths ran
+    for prompt, got in zip(prompts, plain.outputs):
+        ref = target.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert got == ref[0, len(prompt):].tolist()
+
+
+CASES = [(name, "full") for name in FAMILIES] + [("dspark-markov", "threshold"), ("dspark-rnn", "scheduler")]
+
+
+@pytest.mark.parametrize("family,policy", CASES)
+def test_speculative_sampling_is_lossless(family, policy):
+    recipe, target, drafter = build(FAMILIES[family])
+    sps = 1.0 / (1.0 + 0.15 * torch.arange(BATCH * 8 + 1, dtype=torch.float64) / BATCH)  # smooth, decaying; the batch is BATCH requests
+    pol = {"full": LengthPolicy(), "threshold": LengthPolicy("threshold", threshold=0.3),
+           "scheduler": LengthPolicy("scheduler", sps=sps)}[policy]
+    decoder = SpecDecoder(target, drafter, gamma=recipe.drafter.block_size, window=recipe.drafter.sliding_window,
+                          temperature=1.0, policy=pol, seed=7)
+    counts = sample_y2_y3(decoder)
+    assert chi_square_p(counts, exact_y2_y3(target)) > 0.01
+
+
+def test_appendix8_retrospective_search_is_biased_and_early_stop_is_not():
+    """R = 1, γ = 2, p_t = (0.7, 0.3), p_d = (0.5, 0.5), a1 = 0.8, SPS = (1.0, 0.5, 0.45) at B = 1, 2, 3.
+    c2 depends on x1 (A: high, B: low). Without the early stop the output is (0.85, 0.15)."""
+    n = 200_000
+    g = torch.Generator().manual_seed(0)
+    sps = torch.tensor([0.0, 1.0, 0.5, 0.45], dtype=torch.float64)
+    p_t = torch.tensor([0.7, 0.3])
+    q = torch.tensor([0.5, 0.5])
+    x1 = torch.multinomial(q, n, replacement=True, generator=g)
+    c2 = torch.where(x1 == 0, 1.0, 0.1)
+    surv = torch.stack([torch.full((n,), 0.8), 0.8 * c2], dim=1)
+    drafts = torch.stack([x1, torch.zeros(n, dtype=torch.long)], dim=1)
+    probs_q = q.expand(n, 2, 2)
+    probs_p = p_t.expand(n, 3, 2)
+    for early_stop, want in [(False, 0.85), (True, 0.7)]:
+        lengths = torch.stack([schedule(surv[i : i + 1], sps, early_stop) for i in (0, 1)])  # x1 = A, x1 = B cases
+        per_row = torch.where(x1 == 0, schedule(surv[(x1 == 0).nonzero()[0]], sps, early_stop)[0],
+                              schedule(surv[(x1 == 1).nonzero()[0]], sps, early_stop)[0])
+        accepted, closing = verify(drafts, probs_q, probs_p, per_row, g)
+        first = torch.where(accepted > 0, x1, closing)
+        share_a = (first == 0).float().mean().item()
+        assert abs(share_a - want) < 0.005, (early_stop, share_a, lengths.tolist())
+
+
+def test_the_chi_square_check_catches_a_biased_verifier(monkeypatch):
+    """Accepting every draft (no rejection sampling) must fail the same check: the test has power."""
+    import dstrain.spec.decode as decode
+    from dstrain.spec.sampling import sample
+
+    def accept_all(drafts, q, p, lengths, generator=None):
+        return lengths, sample(p[torch.arange(len(lengths)), lengths], generator)
+
+    monkeypatch.setattr(decode, "verify", accept_all)
+    recipe, target, drafter = build(FAMILIES["dspark-markov"])
+    decoder = SpecDecoder(target, drafter, gamma=recipe.drafter.block_size, window=recipe.drafter.sliding_window, seed=7)
+    assert chi_square_p(sample_y2_y3(decoder), exact_y2_y3(target)) < 1e-6
