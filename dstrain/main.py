@@ -58,6 +58,10 @@ def train(recipe) -> int:
     world = init_world(recipe)
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
+    if world.is_main:  # so evaluate/export can load the run without the recipe file
+        from dstrain.spec.artifacts import save_run_recipe
+
+        save_run_recipe(recipe, run_dir)
     target = load_target(recipe.target, seed=recipe.run.seed)
     fingerprint = None
     folder = target_folder(recipe.target)

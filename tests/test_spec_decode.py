@@ -116,19 +116,18 @@ def test_appendix8_retrospective_search_is_biased_and_early_stop_is_not():
     p_t = torch.tensor([0.7, 0.3])
     q = torch.tensor([0.5, 0.5])
     x1 = torch.multinomial(q, n, replacement=True, generator=g)
-    c2 = torch.where(x1 == 0, 1.0, 0.1)
-    surv = torch.stack([torch.full((n,), 0.8), 0.8 * c2], dim=1)
     drafts = torch.stack([x1, torch.zeros(n, dtype=torch.long)], dim=1)
     probs_q = q.expand(n, 2, 2)
     probs_p = p_t.expand(n, 3, 2)
     for early_stop, want in [(False, 0.85), (True, 0.7)]:
-        lengths = torch.stack([schedule(surv[i : i + 1], sps, early_stop) for i in (0, 1)])  # x1 = A, x1 = B cases
-        per_row = torch.where(x1 == 0, schedule(surv[(x1 == 0).nonzero()[0]], sps, early_stop)[0],
-                              schedule(surv[(x1 == 1).nonzero()[0]], sps, early_stop)[0])
+        when_a = schedule(torch.tensor([[0.8, 0.8]]), sps, early_stop)[0]  # x1 = A: c2 = 1.0
+        when_b = schedule(torch.tensor([[0.8, 0.08]]), sps, early_stop)[0]  # x1 = B: c2 = 0.1
+        per_row = torch.where(x1 == 0, when_a, when_b)
         accepted, closing = verify(drafts, probs_q, probs_p, per_row, g)
         first = torch.where(accepted > 0, x1, closing)
         share_a = (first == 0).float().mean().item()
-        assert abs(share_a - want) < 0.005, (early_stop, share_a, lengths.tolist())
+        assert abs(share_a - want) < 0.005, (early_stop, share_a, int(when_a), int(when_b))
+    assert (int(when_a), int(when_b)) == (0, 0)  # with the early stop: Θ1 = 0.9 < Θ0 = 1.0, stop before c2 exists
 
 
 def test_the_chi_square_check_catches_a_biased_verifier(monkeypatch):

@@ -1,0 +1,149 @@
+"""A trained drafter, from a training run folder or an exported folder, bound to the target it belongs to.
+
+Run folder: `recipe.yaml` (written by main.py at the start of a run) + `checkpoints/latest` (DeepSpeed
+model states). Export folder (tools/export.py): `config.json` (drafter and target sections, the target's
+capture layers, a fingerprint of the target's frozen embedding and LM head, STS temperatures) +
+`model.safetensors`. Either loads without the training recipe; loading against a target whose
+embedding or LM head differ is a one-line error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from dstrain.errors import UserError
+
+EXPORT_FORMAT = "dstrain-drafter"
+RUN_RECIPE = "recipe.yaml"
+STS_FILE = "sts.json"
+
+
+def fingerprint(target) -> str:
+    """sha256 over the frozen embedding and LM head (shape, then fp32 bytes): what a drafter is bound to."""
+    h = hashlib.sha256()
+    for w in (target.embedding.weight, target.lm_head.weight):
+        h.update(str(tuple(w.shape)).encode())
+        h.update(w.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class DrafterArtifact:
+    name: str
+    source: Path
+    drafter_cfg: dict
+    target_cfg: dict
+    state: dict[str, torch.Tensor]
+    fingerprint: str | None = None  # None for a run folder: checked against the rebuilt target instead
+    temperatures: list[float] | None = None
+    steps: int | None = None
+
+
+def save_run_recipe(recipe, run_dir: Path) -> None:
+    (run_dir / RUN_RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+
+
+def _read_sts(folder: Path) -> list[float] | None:
+    f = folder / STS_FILE
+    return json.loads(f.read_text())["temperatures"] if f.is_file() else None
+
+
+def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | None = None) -> DrafterArtifact:
+    """recipe_path: the training recipe, for run folders written before runs kept their own recipe.yaml."""
+    folder = Path(path)
+    name = name or folder.name
+    cfg_file = folder / "config.json"
+    if cfg_file.is_file():
+        cfg = json.loads(cfg_file.read_text())
+        if cfg.get("format") != EXPORT_FORMAT:
+            raise UserError(f"{cfg_file}: not a dstrain drafter export (format {cfg.get('format')!r}); export one with tools/export.py")
+        from safetensors.torch import load_file
+
+        weights = folder / "model.safetensors"
+        if not weights.is_file():
+            raise UserError(f"{weights}: missing; re-export the drafter with tools/export.py")
+        return DrafterArtifact(name, folder, cfg["drafter"], cfg["target"], load_file(str(weights)), cfg["target_fingerprint"],
+                               _read_sts(folder) or cfg.get("sts_temperatures"), cfg.get("trained_steps"))
+    if (folder / "checkpoints").is_dir():
+        from dstrain.train import checkpoint
+
+        if recipe_path is not None:
+            from dstrain.recipe import load_recipe
+
+            tree = load_recipe(recipe_path).model_dump(mode="json")
+        elif (folder / RUN_RECIPE).is_file():
+            tree = yaml.safe_load((folder / RUN_RECIPE).read_text())
+        else:
+            raise UserError(f"{folder}: no {RUN_RECIPE} (a run from before runs kept their recipe): pass --recipe RECIPE")
+        tag = checkpoint.latest(folder / "checkpoints")
+        if tag is None:
+            raise UserError(f"{folder}/checkpoints: no finished checkpoint to load")
+        return run_artifact(folder, tree, tag, name)
+    raise UserError(f"{folder}: neither a training run folder (checkpoints/) nor an exported drafter (config.json)")
+
+
+def run_artifact(folder: Path, recipe_tree: dict, tag: str, name: str) -> DrafterArtifact:
+    states = folder / "checkpoints" / tag / "mp_rank_00_model_states.pt"
+    if not states.is_file():
+        raise UserError(f"{states}: missing (damaged checkpoint); delete {states.parent} to fall back to an older one")
+    module = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    steps = int(tag.split("-")[-1]) if tag.startswith("step-") else None
+    return DrafterArtifact(name, folder, recipe_tree["drafter"], recipe_tree["target"], module, None, _read_sts(folder), steps)
+
+
+def load_target_for(artifact: DrafterArtifact, seed: int = 0):
+    from dstrain.recipe import TargetConfig
+    from dstrain.target import load_target
+
+    return load_target(TargetConfig(**artifact.target_cfg), seed=seed)
+
+
+def build(artifact: DrafterArtifact, target):
+    """The drafter module with its trained weights, after checking it belongs to this target."""
+    from dstrain.models.contract import spec_from_config
+    from dstrain.models.registry import build_drafter
+    from dstrain.recipe import DrafterConfig
+
+    if artifact.fingerprint is not None and artifact.fingerprint != fingerprint(target):
+        raise UserError(f"{artifact.source}: this drafter was trained against a target with fingerprint {artifact.fingerprint}, "
+                        f"but {target.name} has {fingerprint(target)}: evaluate it with the target it was trained for")
+    wanted = artifact.target_cfg.get("capture_layers") or None
+    if wanted is not None and list(wanted) != list(target.capture_layers):
+        raise UserError(f"{artifact.source}: trained on capture layers {wanted}, the target captures {target.capture_layers}")
+    cfg = DrafterConfig(**artifact.drafter_cfg)
+    drafter = build_drafter(cfg, spec_from_config(target.model.config, len(target.capture_layers)), target.embedding)
+    missing, unexpected = drafter.load_state_dict(artifact.state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{artifact.source}: weights do not fit a {cfg.type} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return drafter.eval()
+
+
+def export(artifact: DrafterArtifact, target, out: Path) -> Path:
+    """Write config.json + model.safetensors atomically (staging folder, then rename)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    drafter = build(artifact, target)
+    staging = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(staging / "model.safetensors"))
+    from dstrain.models.contract import spec_from_config
+
+    config = {"format": EXPORT_FORMAT, "version": 1, "drafter": artifact.drafter_cfg,
+              "target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)},
+              "target_name": target.name, "target_fingerprint": fingerprint(target),
+              "target_spec": asdict(spec_from_config(target.model.config, len(target.capture_layers))),
+              "sts_temperatures": artifact.temperatures, "trained_steps": artifact.steps, "exported_from": str(artifact.source)}
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return out

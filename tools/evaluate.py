@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Chain speculative decoding of trained drafters against their frozen target: accepted length τ per
+domain, mean proposal length, position-wise conditional acceptance and wall-clock speed versus the target
+alone. Lossless standard rejection sampling at --temperature (0 = greedy).
+
+  tools/evaluate.py --drafter dspark=runs/smollm2-moe-dspark --drafter dflash=exports/dflash --limit 20
+  tools/evaluate.py --drafter runs/x --prompts my_traffic.jsonl      # {"id","domain","turns":[...]} per line
+
+Drafters are training run folders or exported folders (tools/export.py); all must belong to one target.
+Writes results.json, results.md, acceptance.png and rollouts.pt (what tools/calibrate.py reads) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dstrain.errors import cli_main  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", action="append", required=True, metavar="[NAME=]PATH", help="repeat to compare drafters")
+    ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
+    ap.add_argument("--prompts", help="JSONL of prompts (default: the packaged GSM8K / HumanEval / MT-Bench sets)")
+    ap.add_argument("--domains", default="math,code,chat", help="benchmark domains (default %(default)s)")
+    ap.add_argument("--limit", type=int, default=20, help="prompts per domain (default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="prompts decoded together (default %(default)s)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
+    ap.add_argument("--gamma", type=int, help="draft length (default: the drafter's block size)")
+    ap.add_argument("--threshold", type=float, help="verify drafts while the calibrated survival stays >= this")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the target-alone speed run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/eval", help="output folder (default %(default)s)")
+    return ap.parse_args(argv)
+
+
+def load_candidates(specs: list[str], recipe: str | None, gamma: int | None):
+    from dstrain.errors import UserError
+    from dstrain.spec import artifacts
+    from dstrain.spec.evaluation import Candidate
+
+    arts = []
+    for spec in specs:
+        name, _, path = spec.rpartition("=")
+        arts.append(artifacts.read_artifact(path, name or None, recipe))
+    target = artifacts.load_target_for(arts[0])
+    cands = []
+    for art in arts:
+        drafter = artifacts.build(art, target)
+        block = art.drafter_cfg["block_size"]
+        if gamma is not None and art.drafter_cfg["type"] == "mtp" and gamma != 1:
+            raise UserError(f"--gamma {gamma}: {art.name} is an MTP-1 drafter and proposes exactly one token")
+        cands.append(Candidate(art.name, drafter, gamma or block, art.drafter_cfg.get("sliding_window"), art.steps, art.temperatures))
+    return target, cands, arts[0].target_cfg
+
+
+def load_tokenizer(target_cfg: dict):
+    """The target's tokenizer, or None for targets without one (random test targets: prompts as input_ids)."""
+    from dstrain.recipe import TargetConfig
+    from dstrain.target import target_folder
+
+    folder = target_folder(TargetConfig(**target_cfg))
+    if folder is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def run(args) -> int:
+    import torch
+
+    from dstrain.spec import plots, prompts as P
+    from dstrain.spec.decode import LengthPolicy
+    from dstrain.spec.evaluation import evaluate, markdown
+    target, cands, target_cfg = load_candidates(args.drafter, args.recipe, args.gamma)
+    tokenizer = load_tokenizer(target_cfg)
+    if args.prompts:
+        records, report = P.prompt_file(args.prompts, args.limit)
+        if report.total:
+            print(f"prompts: {report.summary()}", file=sys.stderr)
+    else:
+        records = P.benchmark_prompts(args.domains.split(","), args.limit)
+    ids = P.encode(records, tokenizer, target.vocab_size)
+    by_domain: dict[str, list[list[int]]] = {}
+    for rec, x in zip(records, ids):
+        by_domain.setdefault(rec["domain"], []).append(x)
+    policy = LengthPolicy("threshold", args.threshold) if args.threshold is not None else LengthPolicy()
+    torch.manual_seed(args.seed)
+    results, rollouts = evaluate(target, cands, by_domain, args.batch, args.max_new_tokens, P.end_of_turn_ids(tokenizer),
+                                 args.temperature, policy, args.seed, baseline=not args.no_baseline)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(markdown(results))
+    torch.save(rollouts, out / "rollouts.pt")
+    plots.acceptance_curves(results, out / "acceptance.png")
+    print(markdown(results))
+    print(f"wrote {out}/results.json, results.md, acceptance.png, rollouts.pt")
+    return 0
+
+
+if __name__ == "__main__":
+    cli_main(lambda: run(parse_args()))()
