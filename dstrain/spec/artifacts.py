@@ -43,6 +43,7 @@ class DrafterArtifact:
     fingerprint: str | None = None  # None for a run folder: checked against the rebuilt target instead
     temperatures: list[float] | None = None
     steps: int | None = None
+    target_seed: int = 0  # random test targets are built from the run's seed
 
 
 def save_run_recipe(recipe, run_dir: Path) -> None:
@@ -69,7 +70,7 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
         if not weights.is_file():
             raise UserError(f"{weights}: missing; re-export the drafter with tools/export.py")
         return DrafterArtifact(name, folder, cfg["drafter"], cfg["target"], load_file(str(weights)), cfg["target_fingerprint"],
-                               _read_sts(folder) or cfg.get("sts_temperatures"), cfg.get("trained_steps"))
+                               _read_sts(folder) or cfg.get("sts_temperatures"), cfg.get("trained_steps"), cfg.get("target_seed", 0))
     if (folder / "checkpoints").is_dir():
         from dstrain.train import checkpoint
 
@@ -94,14 +95,15 @@ def run_artifact(folder: Path, recipe_tree: dict, tag: str, name: str) -> Drafte
         raise UserError(f"{states}: missing (damaged checkpoint); delete {states.parent} to fall back to an older one")
     module = torch.load(states, map_location="cpu", weights_only=False)["module"]
     steps = int(tag.split("-")[-1]) if tag.startswith("step-") else None
-    return DrafterArtifact(name, folder, recipe_tree["drafter"], recipe_tree["target"], module, None, _read_sts(folder), steps)
+    return DrafterArtifact(name, folder, recipe_tree["drafter"], recipe_tree["target"], module, None, _read_sts(folder), steps,
+                           recipe_tree.get("run", {}).get("seed", 0))
 
 
-def load_target_for(artifact: DrafterArtifact, seed: int = 0):
+def load_target_for(artifact: DrafterArtifact):
     from dstrain.recipe import TargetConfig
     from dstrain.target import load_target
 
-    return load_target(TargetConfig(**artifact.target_cfg), seed=seed)
+    return load_target(TargetConfig(**artifact.target_cfg), seed=artifact.target_seed)
 
 
 def build(artifact: DrafterArtifact, target):
@@ -141,7 +143,8 @@ def export(artifact: DrafterArtifact, target, out: Path) -> Path:
               "target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)},
               "target_name": target.name, "target_fingerprint": fingerprint(target),
               "target_spec": asdict(spec_from_config(target.model.config, len(target.capture_layers))),
-              "sts_temperatures": artifact.temperatures, "trained_steps": artifact.steps, "exported_from": str(artifact.source)}
+              "sts_temperatures": artifact.temperatures, "trained_steps": artifact.steps, "target_seed": artifact.target_seed,
+              "exported_from": str(artifact.source)}
     (staging / "config.json").write_text(json.dumps(config, indent=2))
     if out.exists():
         shutil.rmtree(out)

@@ -1,0 +1,103 @@
+"""Evaluation, calibration and export: metrics against hand-computed values, STS on a known miscalibration,
+and the three tools end to end on a tiny trained run (with the mistakes a user can make)."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_tool
+from dstrain.data.shards import synthetic_shards
+from dstrain.spec.metrics import acceptance_stats, calibration_table, ece, fit_sts, threshold_sweep
+
+
+def test_conditional_acceptance_counts_only_rounds_that_reached_the_position():
+    proposed = torch.tensor([3, 3, 3, 3, 2])
+    accepted = torch.tensor([0, 1, 3, 2, 2])
+    stats = acceptance_stats(proposed, accepted, 3)
+    assert stats["tau"] == pytest.approx((1 + 2 + 4 + 3 + 3) / 5)
+    # k=1: all 5 reached, 4 accepted; k=2: 4 reached (acc>=1), 3 accepted; k=3: proposed>=3 & acc>=2 -> 2 rounds, 1 accepted
+    assert stats["conditional_acceptance"] == pytest.approx([4 / 5, 3 / 4, 1 / 2])
+
+
+def test_sts_recovers_a_known_overconfidence():
+    g = torch.Generator().manual_seed(0)
+    n, gamma, factor = 20000, 4, 2.5
+    true = torch.rand(n, gamma, generator=g) * 0.6 + 0.35  # per-position conditional survival
+    logits = torch.logit(true) * factor  # an overconfident head: true logit scaled by 2.5
+    accepted = (torch.rand(n, gamma, generator=g) < true).long().cumprod(1).sum(1)
+    proposed = torch.full((n,), gamma)
+    temps = fit_sts(logits, proposed, accepted)
+    assert all(abs(t - factor) / factor < 0.25 for t in temps), temps
+    table = calibration_table(logits, proposed, accepted, temps)
+    for row in table:
+        assert row["ece_after"] < row["ece_before"] / 5 and row["brier_after"] < row["brier_before"]
+    assert table[0]["auroc_after"] == pytest.approx(table[0]["auroc_before"])  # order-preserving at position 1
+    sweep = threshold_sweep(logits, proposed, accepted, temps, [0.0, 0.5, 0.9])
+    assert sweep[0]["verified_per_step"] == gamma and sweep[-1]["acceptance_rate"] > sweep[0]["acceptance_rate"]
+    assert ece(torch.tensor([0.9, 0.9]), torch.tensor([1.0, 0.0])) == pytest.approx(0.4)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    synthetic_shards(str(root / "shards"), "tiny-moe", 512, 64, seed=0)
+    run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={root / 'shards'}", "train.steps=6", "train.warmup_steps=1",
+             "run.seed=3", f"run.output_dir={root / 'runs'}")
+    rng = random.Random(0)
+    with open(root / "prompts.jsonl", "w") as fh:
+        for i in range(8):
+            ids = [rng.randrange(512) for _ in range(rng.randint(4, 24))]
+            fh.write(json.dumps({"id": i, "domain": ["math", "chat"][i % 2], "input_ids": ids}) + "\n")
+        fh.write("{broken\n")
+    return root
+
+
+def test_export_evaluate_calibrate_end_to_end(tiny_run):
+    run_dir, export = tiny_run / "runs" / "tiny-moe-dspark", tiny_run / "export"
+    out = run_tool("tools/export.py", str(run_dir), str(export))
+    assert "fingerprint" in out.stdout and (export / "model.safetensors").is_file()
+    cfg = json.loads((export / "config.json").read_text())
+    weights = load_file(str(export / "model.safetensors"))
+    assert cfg["target_seed"] == 3 and cfg["trained_steps"] == 6 and not any("_embedding" in k or "lm_head" in k for k in weights)
+    ev = tiny_run / "eval"
+    proc = run_tool("tools/evaluate.py", "--drafter", f"run={run_dir}", "--drafter", f"exported={export}", "--prompts",
+                    str(tiny_run / "prompts.jsonl"), "--max-new-tokens", "16", "--batch", "4", "--out", str(ev))
+    assert "malformed_json=1" in proc.stderr
+    res = json.loads((ev / "results.json").read_text())
+    a, b = res["drafters"]["run"], res["drafters"]["exported"]
+    assert a["domains"]["math"]["tau"] == b["domains"]["math"]["tau"]  # same weights, same seed: same rollout
+    assert set(a["domains"]) == {"math", "chat"} and len(a["domains"]["chat"]["conditional_acceptance"]) == 4
+    assert res["baseline"]["math"]["tokens_per_s"] > 0 and "speedup" in a["domains"]["math"]
+    assert (ev / "acceptance.png").stat().st_size > 1000 and "| run | 4 | 6 |" in (ev / "results.md").read_text()
+    cal = tiny_run / "cal"
+    run_tool("tools/calibrate.py", str(export), "--rollouts", str(ev / "rollouts.pt"), "--name", "exported", "--out", str(cal))
+    report = json.loads((cal / "calibration.json").read_text())
+    assert len(report["temperatures"]) == 4 and json.loads((export / "sts.json").read_text())["temperatures"] == report["temperatures"]
+    assert all(r["ece_after"] <= r["ece_before"] + 1e-9 for r in report["positions"])
+    assert (cal / "reliability.png").is_file() and (cal / "threshold_sweep.png").is_file()
+    proc = run_tool("tools/evaluate.py", "--drafter", str(export), "--prompts", str(tiny_run / "prompts.jsonl"), "--threshold", "0.5",
+                    "--no-baseline", "--max-new-tokens", "8", "--out", str(tiny_run / "eval2"))
+    assert json.loads((tiny_run / "eval2" / "results.json").read_text())["policy"] == "threshold"
+
+
+def test_user_mistakes_are_one_line_errors(tiny_run, tmp_path):
+    run_dir, export = tiny_run / "runs" / "tiny-moe-dspark", tmp_path / "export"
+    run_tool("tools/export.py", str(run_dir), str(export))
+    cfg = json.loads((export / "config.json").read_text())
+    cfg["target_seed"] = 11  # the same recipe with another seed is another random target
+    (export / "config.json").write_text(json.dumps(cfg))
+    bad_prompts = tmp_path / "bad.jsonl"
+    bad_prompts.write_text('{"id": 1, "turns": []}\n')
+    no_recipe = tmp_path / "old-run"
+    no_recipe.mkdir()
+    (no_recipe / "checkpoints").mkdir()
+    for args, words in [(["tools/evaluate.py", "--drafter", str(export)], "fingerprint"),
+                        (["tools/evaluate.py", "--drafter", str(run_dir), "--prompts", str(bad_prompts)], "no usable prompts"),
+                        (["tools/evaluate.py", "--drafter", str(no_recipe)], "--recipe"),
+                        (["tools/evaluate.py", "--drafter", str(tmp_path / "nowhere")], "neither a training run"),
+                        (["tools/calibrate.py", str(export)], "fingerprint")]:
+        proc = run_tool(*args, check=False)
+        assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
