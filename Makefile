@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test test-fast demo dry-run clean
+.PHONY: install test test-fast demo eval-demo dry-run clean
 
 install: $(STAMP)
 
@@ -35,6 +35,12 @@ dry-run: install
 
 demo: install
 	$(PY) tools/demo.py
+
+# On the demo's run: export, STS-calibrate on held-out prompts, evaluate on the benchmark sets (small limits for CPU).
+eval-demo: install
+	$(PY) tools/export.py runs/smollm2-moe-dspark exports/smollm2-moe-dspark
+	$(PY) tools/calibrate.py exports/smollm2-moe-dspark --count 24 --max-new-tokens 64 --out runs/calibrate
+	$(PY) tools/evaluate.py --drafter dspark=exports/smollm2-moe-dspark --limit 4 --max-new-tokens 64 --out runs/eval
 
 clean:
 	rm -rf $(VENV) .cache
