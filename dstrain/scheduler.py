@@ -7,6 +7,11 @@ tokens τ = R + Σ admitted a; Θ = τ · SPS(B) from the profiled cost table. T
 at the first admission that does not raise Θ (Θ ≤ Θ_best): the decision to stop never looks past the
 prefix processed so far, which keeps verification non-anticipating and so lossless (Appendix 8).
 `early_stop=False` is the retrospective global argmax, kept only to demonstrate the bias.
+
+Asynchronous variant (§5.2): the batch capacity K is chosen by the unconstrained global search over
+survivals from two steps earlier (known before the current tokens exist, so no early stop is needed
+and jagged SPS cliffs cannot trap it), then the current step admits its top-K extensions by
+up-to-date survival — a rank-preserving, prefix-closed selection.
 Vectorised: one sort, one cumulative sum, no per-token Python loop.
 """
 
@@ -20,22 +25,50 @@ def survival(confidence: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(confidence, dim=-1)
 
 
+def _admission_path(surv: torch.Tensor, sps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global admission order (descending survival; ties keep position order, so prefixes come first)
+    and Θ after admitting 0, 1, 2, … extensions."""
+    r = surv.shape[0]
+    if len(sps) <= r:
+        raise ValueError(f"the SPS table covers batches up to {len(sps) - 1} tokens; this step has {r} requests")
+    flat = surv.reshape(-1)
+    order = torch.sort(flat, descending=True, stable=True).indices
+    batch = (r + torch.arange(1, flat.numel() + 1)).clamp(max=len(sps) - 1)  # beyond the table: its last entry
+    theta = torch.cat([torch.tensor([r * float(sps[r])], dtype=torch.float64),
+                       (r + torch.cumsum(flat[order].double(), 0)) * sps[batch].double()])
+    return order, theta
+
+
+def _lengths(order: torch.Tensor, admitted: int, r: int, gamma: int) -> torch.Tensor:
+    return torch.bincount(order[:admitted] // gamma, minlength=r)
+
+
 def schedule(surv: torch.Tensor, sps: torch.Tensor, early_stop: bool = True) -> torch.Tensor:
     """surv [R, γ] (non-increasing along γ), sps [B_max + 1] steps/s by batch size in tokens → lengths [R]."""
     r, gamma = surv.shape
     if gamma == 0 or r == 0:
         return torch.zeros(r, dtype=torch.long)
-    if len(sps) <= r:
-        raise ValueError(f"the SPS table covers batches up to {len(sps) - 1} tokens; this step has {r} requests")
-    flat = surv.reshape(-1)
-    order = torch.sort(flat, descending=True, stable=True).indices  # ties keep position order
-    batch = r + torch.arange(1, flat.numel() + 1)
-    batch = batch.clamp(max=len(sps) - 1)
-    theta = torch.cat([torch.tensor([r * float(sps[r])]), (r + torch.cumsum(flat[order].double(), 0)) * sps[batch].double()])
+    order, theta = _admission_path(surv, sps)
     if early_stop:
         drops = torch.nonzero(theta[1:] <= theta[:-1])
-        admitted = int(drops[0]) if len(drops) else flat.numel()
+        admitted = int(drops[0]) if len(drops) else order.numel()
     else:
         admitted = int(torch.argmax(theta))
-    rows = order[:admitted] // gamma
-    return torch.bincount(rows, minlength=r)
+    return _lengths(order, admitted, r, gamma)
+
+
+def async_capacity(stale_surv: torch.Tensor, sps: torch.Tensor) -> int:
+    """K: how many draft tokens the next step verifies, by the unconstrained search over survivals from two steps
+    earlier (already known, so the search cannot see the current tokens)."""
+    if stale_surv.numel() == 0:
+        return 0
+    return int(torch.argmax(_admission_path(stale_surv, sps)[1]))
+
+
+def admit_top_k(surv: torch.Tensor, k: int) -> torch.Tensor:
+    """The K extensions with the highest up-to-date survival → lengths [R] (prefix-closed by construction)."""
+    r, gamma = surv.shape
+    if gamma == 0 or r == 0:
+        return torch.zeros(r, dtype=torch.long)
+    order = torch.sort(surv.reshape(-1), descending=True, stable=True).indices
+    return _lengths(order, min(k, order.numel()), r, gamma)
