@@ -15,7 +15,7 @@ FAMILY = ["drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0", 
 def dense_chain(drafter, captured, ids, a, gamma, window):
     """Replay one block as a serving engine would: a causal sequence of entries (x_{j+1}, feature j) for the
     true context j < a−1 inside the window, then γ drafted entries, each recomputing attention densely."""
-    layer, d = drafter.layer, drafter.spec.hidden_size
+    layer = drafter.layer
     emb = drafter._embedding.weight
     g = drafter._hidden(captured)  # [T, d]
     lo = 0 if window is None else max(a - window, 0)

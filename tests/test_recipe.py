@@ -1,7 +1,5 @@
 """Typed recipes: shipped recipes plan, mistakes end in one line + exit 2."""
 
-import subprocess
-import sys
 
 import pytest
 import yaml
