@@ -30,6 +30,7 @@ def run_domain(target, cand: Candidate, prompts: list[list[int]], batch: int, ma
         gen = decoder.generate(prompts[lo: lo + batch], max_new, eos)
         seconds, new = seconds + gen.seconds, new + gen.new_tokens
         if gen.rounds:
+            gen.rounds["request"] += lo  # unique per domain, so a request's rounds can be replayed in order
             rounds.append(gen.rounds)
     logs = {k: torch.cat([r[k] for r in rounds]) for k in rounds[0]} if rounds else {}
     stats = acceptance_stats(logs["proposed"], logs["accepted"], cand.gamma) if logs else {}

@@ -77,3 +77,27 @@ def threshold_sweep(sweeps: dict[str, list[dict]], out: Path) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def serving(curves: dict[str, list[dict]], out: Path) -> None:
+    """pareto.png: aggregate throughput vs per-user speed (paper Fig. 8); budget.png: verified drafts per request
+    per step vs concurrency (Fig. 9)."""
+    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    for label, pts in curves.items():
+        ax.plot([p["per_user_tps"] for p in pts], [p["aggregate_tps"] for p in pts], "o-", markersize=3, label=label)
+    ax.set(xlabel="per-user tokens / s", ylabel="aggregate tokens / s", title="Throughput vs interactivity")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "pareto.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    for label, pts in curves.items():
+        ax.plot([p["concurrency"] for p in pts], [p["verify_budget"] for p in pts], "o-", markersize=3, label=label)
+    ax.set(xscale="log", xlabel="concurrent requests R", ylabel="verified draft tokens / request / step",
+           title="Verification budget vs concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "budget.png", dpi=120)
+    plt.close(fig)
