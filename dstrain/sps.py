@@ -26,14 +26,23 @@ def measured_points(max_tokens: int, per_request: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def time_step(model, requests: int, tokens: int, context: int, repeats: int, generator: torch.Generator) -> float:
+def prefill(model, context: int, generator: torch.Generator):
+    """One request's KV cache of `context` tokens; every measured batch starts from copies of it."""
     from transformers import DynamicCache
 
-    vocab = model.config.vocab_size
     cache = DynamicCache()
-    ctx = torch.randint(0, vocab, (requests, context), generator=generator)
-    model(input_ids=ctx, cache=cache, use_cache=True)
-    new = torch.randint(0, vocab, (requests, tokens), generator=generator)
+    model(input_ids=torch.randint(0, model.config.vocab_size, (1, context), generator=generator), cache=cache, use_cache=True)
+    return cache
+
+
+@torch.no_grad()
+def time_step(model, base_cache, requests: int, tokens: int, context: int, repeats: int, generator: torch.Generator) -> float:
+    """Median seconds of one forward of [requests, tokens] new tokens against `requests` copies of the context."""
+    import copy
+
+    cache = copy.deepcopy(base_cache)
+    cache.batch_repeat_interleave(requests)
+    new = torch.randint(0, model.config.vocab_size, (requests, tokens), generator=generator)
     positions = context + torch.arange(tokens)[None, :].expand(requests, -1)
     times = []
     for _ in range(repeats + 1):

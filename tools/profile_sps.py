@@ -42,9 +42,10 @@ def main() -> int:
     if torch.cuda.is_available():
         model = model.cuda()
     g = torch.Generator().manual_seed(0)
+    base = S.prefill(model, args.context, g)
     points = {}
     for requests, tokens in tqdm(S.measured_points(args.max_tokens, args.per_request), desc="SPS", unit="point"):
-        points[requests * tokens] = 1.0 / S.time_step(model, requests, tokens, args.context, args.repeats, g)
+        points[requests * tokens] = 1.0 / S.time_step(model, base, requests, tokens, args.context, args.repeats, g)
     table = S.table_from_points(points)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
