@@ -98,6 +98,7 @@ def test_user_mistakes_are_one_line_errors(tiny_run, tmp_path):
                         (["tools/evaluate.py", "--drafter", str(run_dir), "--prompts", str(bad_prompts)], "no usable prompts"),
                         (["tools/evaluate.py", "--drafter", str(no_recipe)], "--recipe"),
                         (["tools/evaluate.py", "--drafter", str(tmp_path / "nowhere")], "neither a training run"),
+                        (["tools/evaluate.py", "--drafter", str(run_dir), "--sps", str(tmp_path / "none.json")], "tools/profile_sps.py"),
                         (["tools/calibrate.py", str(export)], "fingerprint")]:
         proc = run_tool(*args, check=False)
         assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)

@@ -34,6 +34,7 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
     ap.add_argument("--gamma", type=int, help="draft length (default: the drafter's block size)")
     ap.add_argument("--threshold", type=float, help="verify drafts while the calibrated survival stays >= this")
+    ap.add_argument("--sps", help="SPS table (tools/profile_sps.py): verify what the Algorithm 2 scheduler admits per batch")
     ap.add_argument("--no-baseline", action="store_true", help="skip the target-alone speed run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/eval", help="output folder (default %(default)s)")
@@ -79,6 +80,17 @@ def run(args) -> int:
     from dstrain.spec import plots, prompts as P
     from dstrain.spec.decode import LengthPolicy
     from dstrain.spec.evaluation import evaluate, markdown
+
+    if args.sps and args.threshold is not None:
+        from dstrain.errors import UserError
+
+        raise UserError("--sps and --threshold are two length policies: pick one")
+    if args.sps:
+        from dstrain.sps import load_table
+
+        policy = LengthPolicy("scheduler", sps=load_table(args.sps)[0])
+    else:
+        policy = LengthPolicy("threshold", args.threshold) if args.threshold is not None else LengthPolicy()
     target, cands, target_cfg = load_candidates(args.drafter, args.recipe, args.gamma)
     tokenizer = load_tokenizer(target_cfg)
     if args.prompts:
@@ -91,7 +103,6 @@ def run(args) -> int:
     by_domain: dict[str, list[list[int]]] = {}
     for rec, x in zip(records, ids):
         by_domain.setdefault(rec["domain"], []).append(x)
-    policy = LengthPolicy("threshold", args.threshold) if args.threshold is not None else LengthPolicy()
     torch.manual_seed(args.seed)
     results, rollouts = evaluate(target, cands, by_domain, args.batch, args.max_new_tokens, P.end_of_turn_ids(tokenizer),
                                  args.temperature, policy, args.seed, baseline=not args.no_baseline)
