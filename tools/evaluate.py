@@ -50,14 +50,19 @@ def load_candidates(specs: list[str], recipe: str | None, gamma: int | None):
     for spec in specs:
         name, _, path = spec.rpartition("=")
         arts.append(artifacts.read_artifact(path, name or None, recipe))
+    from dstrain.target.hf import HFTarget
+
     target = artifacts.load_target_for(arts[0])
     cands = []
     for art in arts:
-        drafter = artifacts.build(art, target)
+        wanted = art.target_cfg.get("capture_layers")
+        own = target if not wanted or list(wanted) == target.capture_layers else HFTarget(target.model, target.name, list(wanted))
+        drafter = artifacts.build(art, own)  # the same weights; only which layers are captured differs
         block = art.drafter_cfg["block_size"]
         if gamma is not None and art.drafter_cfg["type"] == "mtp" and gamma != 1:
             raise UserError(f"--gamma {gamma}: {art.name} is an MTP-1 drafter and proposes exactly one token")
-        cands.append(Candidate(art.name, drafter, gamma or block, art.drafter_cfg.get("sliding_window"), art.steps, art.temperatures))
+        cands.append(Candidate(art.name, drafter, gamma or block, art.drafter_cfg.get("sliding_window"), art.steps,
+                               art.temperatures, own if own is not target else None))
     return target, cands, arts[0].target_cfg
 
 

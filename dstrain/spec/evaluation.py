@@ -20,11 +20,12 @@ class Candidate:
     window: int | None
     steps: int | None = None
     temperatures: list[float] | None = None
+    target: object | None = None  # the same target model capturing this drafter's layers, when they differ
 
 
 def run_domain(target, cand: Candidate, prompts: list[list[int]], batch: int, max_new: int, eos: set[int],
                temperature: float, policy: LengthPolicy, seed: int) -> tuple[dict, dict]:
-    decoder = SpecDecoder(target, cand.drafter, cand.gamma, cand.window, temperature, policy, seed)
+    decoder = SpecDecoder(cand.target or target, cand.drafter, cand.gamma, cand.window, temperature, policy, seed)
     rounds, seconds, new = [], 0.0, 0
     for lo in tqdm(range(0, len(prompts), batch), desc=cand.name, unit="batch", leave=False):
         gen = decoder.generate(prompts[lo: lo + batch], max_new, eos)
