@@ -3,6 +3,7 @@ and the three tools end to end on a tiny trained run (with the mistakes a user c
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -62,14 +63,20 @@ def test_export_evaluate_calibrate_end_to_end(tiny_run):
     cfg = json.loads((export / "config.json").read_text())
     weights = load_file(str(export / "model.safetensors"))
     assert cfg["target_seed"] == 3 and cfg["trained_steps"] == 6 and not any("_embedding" in k or "lm_head" in k for k in weights)
+    other = tiny_run / "other-layers"  # a drafter reading other layers of the same target (as MTP-1 reads the last)
+    shutil.copytree(export, other)
+    cfg["target"]["capture_layers"] = [0, 1, 3]
+    (other / "config.json").write_text(json.dumps(cfg))
     ev = tiny_run / "eval"
-    proc = run_tool("tools/evaluate.py", "--drafter", f"run={run_dir}", "--drafter", f"exported={export}", "--prompts",
+    proc = run_tool("tools/evaluate.py", "--drafter", f"run={run_dir}", "--drafter", f"exported={export}", "--drafter", f"other={other}",
+                    "--prompts",
                     str(tiny_run / "prompts.jsonl"), "--max-new-tokens", "16", "--batch", "4", "--out", str(ev))
     assert "malformed_json=1" in proc.stderr
     res = json.loads((ev / "results.json").read_text())
     a, b = res["drafters"]["run"], res["drafters"]["exported"]
     assert a["domains"]["math"]["tau"] == b["domains"]["math"]["tau"]  # same weights, same seed: same rollout
     assert set(a["domains"]) == {"math", "chat"} and len(a["domains"]["chat"]["conditional_acceptance"]) == 4
+    assert set(res["drafters"]["other"]["domains"]) == {"math", "chat"}
     assert res["baseline"]["math"]["tokens_per_s"] > 0 and "speedup" in a["domains"]["math"]
     assert (ev / "acceptance.png").stat().st_size > 1000 and "| run | 4 | 6 |" in (ev / "results.md").read_text()
     cal = tiny_run / "cal"
