@@ -37,10 +37,7 @@ def rollouts_from_decoding(args, art, target, drafter) -> dict:
     from dstrain.spec import prompts as P
     from dstrain.spec.evaluation import Candidate, run_domain
     from dstrain.spec.decode import LengthPolicy
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from evaluate import load_tokenizer
-
-    tokenizer = load_tokenizer(art.target_cfg)
+    tokenizer = P.load_tokenizer(art.target_cfg)
     records = P.prompt_file(args.prompts)[0] if args.prompts else heldout_prompts(args.count, args.seed)
     ids = P.encode(records, tokenizer, target.vocab_size)
     cand = Candidate(art.name, drafter, art.drafter_cfg["block_size"], art.drafter_cfg.get("sliding_window"))

@@ -66,19 +66,6 @@ def load_candidates(specs: list[str], recipe: str | None, gamma: int | None):
     return target, cands, arts[0].target_cfg
 
 
-def load_tokenizer(target_cfg: dict):
-    """The target's tokenizer, or None for targets without one (random test targets: prompts as input_ids)."""
-    from dstrain.recipe import TargetConfig
-    from dstrain.target import target_folder
-
-    folder = target_folder(TargetConfig(**target_cfg))
-    if folder is None:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
 def run(args) -> int:
     import torch
 
@@ -97,7 +84,7 @@ def run(args) -> int:
     else:
         policy = LengthPolicy("threshold", args.threshold) if args.threshold is not None else LengthPolicy()
     target, cands, target_cfg = load_candidates(args.drafter, args.recipe, args.gamma)
-    tokenizer = load_tokenizer(target_cfg)
+    tokenizer = P.load_tokenizer(target_cfg)
     if args.prompts:
         records, report = P.prompt_file(args.prompts, args.limit)
         if report.total:

@@ -104,3 +104,16 @@ def end_of_turn_ids(tokenizer) -> set[int]:
         if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
             ids.add(tid)
     return ids
+
+
+def load_tokenizer(target_cfg: dict):
+    """The target's tokenizer, or None for targets without one (random test targets: prompts as input_ids)."""
+    from dstrain.recipe import TargetConfig
+    from dstrain.target import target_folder
+
+    folder = target_folder(TargetConfig(**target_cfg))
+    if folder is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
