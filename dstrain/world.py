@@ -1,14 +1,20 @@
-"""Process groups. Colocated runs: every rank is a data-parallel replica holding a target and a drafter.
+"""Process groups and roles.
 
-Under torchrun the world comes from the environment; a plain `python dstrain/main.py` is a world of
-one, initialised through a file store (no port to pick). gloo without CUDA, NCCL with it.
+Colocated (default): every rank is a data-parallel replica holding a target and a drafter.
+Disaggregated: ranks [0, T) serve the frozen target (T = tp·pp·dp, megatron order tp fastest, then
+data-parallel replica, then pipeline stage); ranks [T, T+D) are DeepSpeed drafter workers. Drafter j
+is fed by target replica j mod dp; inside a replica, the tensor-rank-0 process of every pipeline
+stage sends the rows it owns (captured layers of its stage; the last stage also the final states).
+
+Every process group is created on every rank in the same order (torch.distributed requires it,
+members or not); DeepSpeed only ever sees the drafter group, through `DrafterMPU`.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -18,30 +24,184 @@ from dstrain.errors import UserError
 
 
 @dataclass
+class Layout:
+    """Where every rank sits (pure arithmetic: the same on every rank, testable without processes)."""
+
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    drafters: int
+    disaggregated: bool
+
+    @property
+    def target_ranks(self) -> int:
+        return self.tp * self.pp * self.dp if self.disaggregated else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.target_ranks + self.drafters
+
+    def target_rank(self, tp: int, dp: int, pp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp, dp, pp) of a target rank."""
+        return rank % self.tp, rank // self.tp % self.dp, rank // (self.tp * self.dp)
+
+    def replica_of_drafter(self, j: int) -> int:
+        return j % self.dp
+
+    def drafters_of_replica(self, r: int) -> list[int]:
+        return [j for j in range(self.drafters) if j % self.dp == r]
+
+    def sources(self, j: int) -> list[int]:
+        """Global ranks that send drafter j its rows: tensor rank 0 of each pipeline stage of its replica."""
+        return [self.target_rank(0, self.replica_of_drafter(j), s) for s in range(self.pp)]
+
+    def role(self, rank: int) -> str:
+        if not self.disaggregated:
+            return "colocated"
+        return "target" if rank < self.target_ranks else "drafter"
+
+    def describe(self, rank: int) -> str:
+        if self.role(rank) == "target":
+            tp, dp, pp = self.coords(rank)
+            return f"rank {rank} (target replica {dp}, pipeline stage {pp}, tensor rank {tp})"
+        if self.role(rank) == "drafter":
+            return f"rank {rank} (drafter {rank - self.target_ranks})"
+        return f"rank {rank}"
+
+
+def layout_of(world_cfg) -> Layout:
+    t = world_cfg.target
+    disagg = world_cfg.mode == "disaggregated"
+    lay = Layout(t.tp, t.pp, t.dp, t.ep, world_cfg.drafter_ranks, disagg)
+    if disagg and lay.drafters % lay.dp:
+        raise UserError(f"world.drafter_ranks={lay.drafters} must be a multiple of world.target.dp={lay.dp}"
+                        " (every target replica feeds the same number of drafter ranks)")
+    return lay
+
+
+class DrafterMPU:
+    """The small model-parallel unit DeepSpeed asks for: drafters are pure data-parallel over their own group."""
+
+    def __init__(self, dp_group, self_group):
+        self.dp_group, self.self_group = dp_group, self_group
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.dp_group)
+
+    def get_model_parallel_group(self):
+        return self.self_group
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_rank()
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+
+@dataclass
 class World:
     rank: int
     world_size: int
     local_rank: int
+    layout: Layout | None = None
+    drafter_group: object = None  # DeepSpeed's data-parallel group (WORLD when colocated)
+    mpu: DrafterMPU | None = None
+    target_groups: object = None  # megatron ProcessGroupCollection on target ranks
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        return self.layout.role(self.rank) if self.layout else "colocated"
+
+    @property
+    def drafter_index(self) -> int:
+        return self.rank - (self.layout.target_ranks if self.layout else 0)
+
+    @property
+    def num_drafters(self) -> int:
+        return self.layout.drafters if self.layout else self.world_size
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The drafter rank that logs and writes run files."""
+        return self.drafter_index == 0 and self.role != "target"
 
 
 def init_world(recipe) -> World:
-    if recipe.world.mode != "colocated":
-        raise UserError("world.mode=disaggregated: the target/drafter split lands with the Distributed issue; use world.mode=colocated")
+    layout = layout_of(recipe.world)
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size != recipe.world.world_size:
-        raise UserError(f"the recipe's world needs {recipe.world.world_size} process(es) but {size} were launched;"
-                        f" run torchrun --nproc-per-node {recipe.world.world_size} or set world.target.dp/world.drafter_ranks to {size}")
+    if size != layout.world_size:
+        hint = (f"world.target (tp·pp·dp) + world.drafter_ranks" if layout.disaggregated else "world.target.dp and world.drafter_ranks")
+        raise UserError(f"the recipe's world needs {layout.world_size} process(es) but {size} were launched;"
+                        f" run torchrun --nproc-per-node {layout.world_size} or set {hint} to match {size}")
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
+        timeout = timedelta(seconds=int(os.environ.get("DSTRAIN_COLLECTIVE_TIMEOUT_S", "600")))
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=timeout)
         else:
             store = tempfile.NamedTemporaryFile(prefix="dstrain-pg-", delete=False).name
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    return World(rank, size, local)
+    world = World(rank, size, local, layout)
+    if not layout.disaggregated:
+        world.drafter_group = dist.group.WORLD
+        return world
+    build_groups(world)
+    return world
+
+
+def build_groups(world: World) -> None:
+    """Every group of a disaggregated world, created in lock-step on all ranks."""
+    lay = world.layout
+    pgs = target_process_groups(lay)
+    drafters = list(range(lay.target_ranks, lay.world_size))
+    drafter_group = dist.new_group(drafters)
+    self_groups, _ = dist.new_subgroups_by_enumeration([[r] for r in drafters])
+    if world.rank < lay.target_ranks:
+        world.target_groups = pgs
+    else:
+        world.drafter_group = drafter_group
+        world.mpu = DrafterMPU(drafter_group, self_groups)
+
+
+def target_process_groups(lay: Layout):
+    """megatron's ProcessGroupCollection over ranks [0, T) (None on ranks outside); call on every rank."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    grid = HyperCommGrid([lay.tp, 1, lay.dp, lay.pp], ["tp", "cp", "dp", "pp"])
+    experts = HyperCommGrid([1, lay.ep, lay.tp * lay.dp // lay.ep, lay.pp], ["etp", "ep", "edp", "pp"])
+    pgs = ProcessGroupCollection()
+    for name, dims in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp", "dp"), ("mp", ["tp", "pp"]),
+                       ("tp_cp", ["tp", "cp"]), ("dp_cp", ["cp", "dp"]), ("tp_dp_cp", ["tp", "cp", "dp"])):
+        setattr(pgs, name, grid.create_pg(dims))
+    for name, dims in (("ep", "ep"), ("expt_tp", "etp"), ("expt_dp", "edp"), ("tp_ep", ["etp", "ep"]),
+                       ("tp_ep_pp", ["etp", "ep", "pp"])):
+        setattr(pgs, name, experts.create_pg(dims))
+    pgs.embd = pgs.pos_embd = pgs.pp  # embeddings are untied on the target side: no extra group needed
+    return pgs if dist.get_rank() < lay.target_ranks else None
