@@ -30,10 +30,21 @@ def cli_main(fn: F) -> F:
             code = fn(*args, **kwargs)
         except UserError as err:
             print(f"error: {err}", file=sys.stderr)
+            _tell_peers(f"error: {err}")
             raise SystemExit(EXIT_USER_ERROR) from None
+        except Exception as exc:
+            _tell_peers(f"crashed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            raise
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
         raise SystemExit(code or 0)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _tell_peers(message: str) -> None:
+    """In a multi-process run, let the other ranks' watchdogs name this rank and why it stopped."""
+    mod = sys.modules.get("dstrain.watchdog")
+    if mod is not None:
+        mod.record_failure(message)

@@ -48,21 +48,53 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(recipe) -> int:
-    from pathlib import Path
-
-    from dstrain.data.loader import ShardLoader
-    from dstrain.target import load_target, target_folder
+    from dstrain.train.sources import LocalSource
     from dstrain.train.trainer import Trainer
+    from dstrain.watchdog import mark_done, start_watchdog
     from dstrain.world import init_world
 
     world = init_world(recipe)
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
+    start_watchdog(world, run_dir)
     if world.is_main:  # so evaluate/export can load the run without the recipe file
         from dstrain.spec.artifacts import save_run_recipe
 
         save_run_recipe(recipe, run_dir)
-    target = load_target(recipe.target, seed=recipe.run.seed)
+    if world.role == "target":
+        from dstrain.train.target_role import serve_target
+
+        code = serve_target(recipe, world, run_dir, lambda j, n: make_loader(recipe, j, n))
+        mark_done()
+        return code
+    if world.role == "drafter":
+        from dstrain.target.frozen import load_frozen_parts
+
+        frozen = load_frozen_parts(recipe.target, recipe.run.seed)
+        source = channel_source(recipe, world, frozen)
+    else:
+        from dstrain.target import load_target
+        from dstrain.target.frozen import from_target
+        from dstrain.train.step import FeatureCache
+
+        target = load_target(recipe.target, seed=recipe.run.seed)
+        frozen = from_target(target)
+        cache = FeatureCache(recipe.train.target_cache_mb * 2**20) if recipe.train.target_cache_mb else None
+        source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache)
+    summary = Trainer(recipe, frozen, source, run_dir, world).train()
+    mark_done()
+    if world.is_main and summary["last"]:
+        first, last = summary["first"], summary["last"]
+        print(f"trained {summary['steps']} steps: loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+              f"tau_hat {first['tau_hat']:.3f} -> {last['tau_hat']:.3f}; run dir {run_dir}")
+    return 0
+
+
+def make_loader(recipe, rank: int, world: int):
+    """Drafter data-parallel rank `rank` of `world`'s shard of the data (read wherever the target runs)."""
+    from dstrain.data.loader import ShardLoader
+    from dstrain.target import target_folder
+
     fingerprint = None
     folder = target_folder(recipe.target)
     if folder is not None:
@@ -71,15 +103,26 @@ def train(recipe) -> int:
         from dstrain.data.tokenize import tokenizer_fingerprint
 
         fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(folder))
-    loader = ShardLoader(recipe.data.shards, rank=world.rank, world=world.world_size, seed=recipe.run.seed,
-                         shuffle=recipe.data.shuffle, max_length=recipe.data.max_length,
-                         expect_target=recipe.target.name, expect_fingerprint=fingerprint)
-    summary = Trainer(recipe, target, loader, run_dir, world.world_size, world.is_main).train()
-    if world.is_main and summary["last"]:
-        first, last = summary["first"], summary["last"]
-        print(f"trained {summary['steps']} steps: loss {first['loss']:.4f} -> {last['loss']:.4f}, "
-              f"tau_hat {first['tau_hat']:.3f} -> {last['tau_hat']:.3f}; run dir {run_dir}")
-    return 0
+    return ShardLoader(recipe.data.shards, rank=rank, world=world, seed=recipe.run.seed, shuffle=recipe.data.shuffle,
+                       max_length=recipe.data.max_length, expect_target=recipe.target.name, expect_fingerprint=fingerprint)
+
+
+def channel_source(recipe, world, frozen):
+    """The receiving end of this drafter's channel: who sends what, from the layout and the capture layers."""
+    from dstrain.channel import Receiver
+    from dstrain.train.sources import ChannelSource
+    from dstrain.train.target_role import stage_of_layer
+
+    lay, j = world.layout, world.drafter_index
+    replica = lay.replica_of_drafter(j)
+    n_layers = frozen.config.num_hidden_layers
+    stages = [stage_of_layer(n_layers, lay.pp, layer) for layer in frozen.capture_layers]
+    stage_order = [layer for s in range(lay.pp) for layer, st in zip(frozen.capture_layers, stages) if st == s]
+    row_sources = [(lay.target_rank(0, replica, s), stages.count(s)) for s in range(lay.pp) if stages.count(s)]
+    receiver = Receiver(lay.target_rank(0, replica, lay.pp - 1), row_sources,
+                        [stage_order.index(layer) for layer in frozen.capture_layers])
+    replica_ranks = [lay.target_rank(t, replica, s) for s in range(lay.pp) for t in range(lay.tp)]
+    return ChannelSource(receiver, replica_ranks, recipe)
 
 
 if __name__ == "__main__":

@@ -30,20 +30,21 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, is_writer: bool) -> Path:
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, is_writer: bool, group=None) -> Path:
+    """`group`: the ranks that hold drafter state (all of them in a colocated run)."""
     tag = f"step-{step}"
     staging = ckpt_dir / f".tmp-{tag}"
     if is_writer:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     engine.save_checkpoint(str(staging), tag=tag, client_state={**client_state, "rng": rng_state()}, save_latest=False)
-    _barrier()
+    _barrier(group)
     final = ckpt_dir / tag
     if is_writer:
         shutil.rmtree(final, ignore_errors=True)
@@ -54,7 +55,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, is_wr
         os.replace(tmp, ckpt_dir / "latest")
         for old in sorted(ckpt_dir.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
 
 

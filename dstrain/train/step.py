@@ -48,17 +48,23 @@ class FeatureCache:
         self.bytes += size
 
 
+def padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Right-padded ids and attention mask (causal attention keeps real positions exact), and the lengths."""
+    lengths = [len(s.input_ids) for s in samples]
+    ids = torch.zeros(len(samples), max(lengths), dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, s in enumerate(samples):
+        ids[i, : lengths[i]], att[i, : lengths[i]] = s.input_ids, 1
+    return ids, att, lengths
+
+
 @torch.no_grad()
 def target_features(target, samples: list[Sample], cache: FeatureCache | None = None) -> TargetFeatures:
     todo = [s for s in samples if cache is None or cache.get(s.meta["id"]) is None]
     fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if todo:
-        lengths = [len(s.input_ids) for s in todo]
-        ids = torch.zeros(len(todo), max(lengths), dtype=torch.long)
-        att = torch.zeros_like(ids)
-        for i, s in enumerate(todo):
-            ids[i, : lengths[i]], att[i, : lengths[i]] = s.input_ids, 1
-        out = target(ids, att)  # right padding: causal attention keeps real positions exact
+        ids, att, lengths = padded_batch(todo)
+        out = target(ids, att)
         for i, s in enumerate(todo):
             fresh[s.meta["id"]] = (out.captured[i, : lengths[i]].clone(), out.final_hidden[i, : lengths[i]].clone())
             if cache is not None:

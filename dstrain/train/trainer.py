@@ -21,7 +21,7 @@ from dstrain.models.registry import build_drafter
 from dstrain.monitor import Monitor, peak_memory_mb
 from dstrain.train import checkpoint
 from dstrain.train.losses import position_weights
-from dstrain.train.step import FeatureCache, draft_losses, pack_samples, target_features
+from dstrain.train.step import draft_losses
 
 
 def lr_lambda(train_cfg):
@@ -38,12 +38,15 @@ def deepspeed_config(recipe) -> dict:
     t, ds = recipe.train, recipe.deepspeed
     return {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
             "gradient_clipping": t.clip_grad, "zero_optimization": {"stage": ds.zero_stage},
-            "bf16": {"enabled": ds.precision == "bf16"}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+            "bf16": {"enabled": ds.precision == "bf16"}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+            # tags are ours and identical on every drafter; DeepSpeed's check is a world-wide all-reduce that
+            # target ranks (which hold no drafter state) would never join
+            "checkpoint": {"tag_validation": "Ignore"}}
 
 
-def _all_reduce(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+def _all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
     return t
 
 
@@ -61,22 +64,29 @@ def calibration_error(conf: torch.Tensor, label: torch.Tensor, bins: int = 10) -
 
 
 class Trainer:
-    def __init__(self, recipe, target, loader, run_dir: Path, dp_world: int = 1, is_main: bool = True):
+    """`frozen` gives the target's config, embedding and LM head; `source` the micro-batches (sources.py)."""
+
+    def __init__(self, recipe, frozen, source, run_dir: Path, world):
         import deepspeed
 
-        self.recipe, self.target, self.loader, self.run_dir = recipe, target, loader, run_dir
-        self.dp_world, self.is_main = dp_world, is_main
+        from dstrain.train.ds_glue import scope_deepspeed_to
+
+        self.recipe, self.source, self.run_dir = recipe, source, run_dir
+        self.frozen, self.lm_head = frozen, frozen.lm_head
+        self.group = world.drafter_group
+        self.dp_world, self.is_main = world.num_drafters, world.is_main
+        if world.mpu is not None:
+            scope_deepspeed_to(world.drafter_group)
         torch.manual_seed(recipe.run.seed)
-        drafter = build_drafter(recipe.drafter, spec_from_config(target.model.config, len(target.capture_layers)), target.embedding)
+        drafter = build_drafter(recipe.drafter, spec_from_config(frozen.config, frozen.num_capture), frozen.embedding)
         decay = [p for p in drafter.parameters() if p.dim() >= 2]
         no_decay = [p for p in drafter.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.train.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=recipe.train.lr, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.train))
-        self.engine, _, _, self.scheduler = deepspeed.initialize(model=drafter, optimizer=opt, lr_scheduler=sched,
+        self.engine, _, _, self.scheduler = deepspeed.initialize(model=drafter, optimizer=opt, lr_scheduler=sched, mpu=world.mpu,
                                                                  config=deepspeed_config(recipe), dist_init_required=False)
         self.drafter = drafter
-        self.cache = FeatureCache(recipe.train.target_cache_mb * 2**20) if recipe.train.target_cache_mb else None
         self.ckpt_dir = run_dir / "checkpoints"
         self.step = 0
 
@@ -86,37 +96,37 @@ class Trainer:
         if tag is None:
             return
         client = checkpoint.load(self.engine, self.ckpt_dir, tag)
-        self.loader.load_state_dict(client["loader"])
+        self.source.load_state_dict(client["loader"])
         self.step = client["step"]
 
     def save(self) -> None:
-        checkpoint.save(self.engine, self.ckpt_dir, self.step, {"step": self.step, "loader": self.loader.state_dict()},
-                        self.recipe.train.keep_checkpoints, self.is_main)
+        checkpoint.save(self.engine, self.ckpt_dir, self.step, {"step": self.step, "loader": self.source.state_dict()},
+                        self.recipe.train.keep_checkpoints, self.is_main, self.group)
 
     # -- one step ----------------------------------------------------------------------------------------
-    def train_step(self, batches) -> dict:
+    def train_step(self, micro) -> dict:
+        """One optimizer step over a list of sources.MicroBatch."""
         r = self.recipe
         gamma = r.drafter.block_size
-        packs = [pack_samples(b, gamma, r.anchors.per_sequence, r.drafter.sliding_window, r.run.seed, self.step) for b in batches]
         pw = position_weights(gamma, r.loss.gamma_decay)
-        total_w = _all_reduce(torch.stack([(pw * p.valid).sum() for p in packs]).sum())
+        total_w = _all_reduce(torch.stack([(pw * mb.packed.valid).sum() for mb in micro]).sum(), self.group)
         scale = self.dp_world / total_w.clamp(min=1e-9)
         acc = {"ce": 0.0, "tv": 0.0, "conf": 0.0, "aux": 0.0}
         pos_acc, pos_n = torch.zeros(gamma), torch.zeros(gamma)
         confs, labels = [], []
         tokens = 0
-        for samples, packed in zip(batches, packs):
-            feats = target_features(self.target, samples, self.cache)
-            tokens += feats.final_hidden.shape[0]
-            sums, tv, out = draft_losses(self.engine.module, self.target.lm_head, packed, feats, r.loss)
-            loss = sums["total"] * scale + r.drafter.ffn.aux_loss_coef * out.aux_loss / len(batches)
+        for i, mb in enumerate(micro):
+            packed, feats = mb.packed, mb.target_features()
+            tokens += sum(len(s.input_ids) for s in mb.samples)
+            sums, tv, out = draft_losses(self.engine.module, self.lm_head, packed, feats, r.loss)
+            loss = sums["total"] * scale + r.drafter.ffn.aux_loss_coef * out.aux_loss / len(micro)
             self.engine.backward(loss, scale_wrt_gas=False)
-            if samples is batches[-1]:
+            if i == len(micro) - 1:
                 grad_norm = self._grad_norm()
             self.engine.step()
             for k in ("ce", "tv", "conf"):
                 acc[k] += float(sums.get(k, torch.zeros(())).detach() * scale)
-            acc["aux"] += float(out.aux_loss.detach()) / len(batches)
+            acc["aux"] += float(out.aux_loss.detach()) / len(micro)
             valid = packed.valid
             accept = (1 - 0.5 * tv).clamp(0, 1)
             pos_acc += (accept * valid).sum(0)
@@ -127,7 +137,7 @@ class Trainer:
         for m in self.drafter.moe_layers():
             m.update_route_bias()
         stats = torch.cat([torch.tensor([acc["ce"], acc["tv"], acc["conf"], acc["aux"], float(tokens)]), pos_acc, pos_n])
-        stats = _all_reduce(stats)
+        stats = _all_reduce(stats, self.group)
         pos = stats[5 : 5 + gamma] / stats[5 + gamma :].clamp(min=1)
         out = {"loss_ce": stats[0].item() / self.dp_world, "loss_tv": stats[1].item() / self.dp_world,
                "loss_conf": stats[2].item() / self.dp_world, "aux_loss": stats[3].item() / self.dp_world,
@@ -147,32 +157,36 @@ class Trainer:
             return float(reported)
         grads = [p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None]
         local = torch.stack(grads).pow(2).sum() if grads else torch.zeros(())
-        return float(_all_reduce(local).sqrt())
+        return float(_all_reduce(local, self.group).sqrt())
 
     # -- loop --------------------------------------------------------------------------------------------
     def train(self) -> dict:
         r = self.recipe
         self.resume()
         monitor = Monitor(self.run_dir, r, r.train.steps, self.step, self.is_main)
-        stream = iter(self.loader)
+        self.source.start(self.step)
         t_last = time.perf_counter()
-        window = {"positions": 0, "tokens": 0}
+        window = {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
         try:
             while self.step < r.train.steps:
-                batches = [[next(stream) for _ in range(r.train.micro_batch_size)] for _ in range(r.train.grad_accum)]
-                metrics = self.train_step(batches)
+                metrics = self.train_step(self.source.next_step(self.step))
                 self.step += 1
+                window["steps"] += 1
+                window["bytes"] += self.source.traffic().get("channel_bytes_received", 0)
                 window["positions"] += metrics.pop("supervised_positions")
                 window["tokens"] += metrics.pop("tokens")
                 monitor.advance()
                 if self.step == 1 or self.step % r.train.log_every == 0 or self.step == r.train.steps:
                     now = time.perf_counter()
+                    if window["bytes"]:  # disaggregated: what the channel carried into this rank
+                        metrics["channel_bytes_per_step"] = window["bytes"] / window["steps"]
+                        metrics["channel_bytes_per_position"] = window["bytes"] / max(window["positions"], 1)
                     metrics.update({"lr": self.scheduler.get_last_lr()[0], "supervised_positions_per_s": window["positions"] / (now - t_last),
                                     "tokens_per_s": window["tokens"] / (now - t_last), "peak_memory_mb": peak_memory_mb()})
                     for i, m in enumerate(self.drafter.moe_layers()):
                         metrics[f"expert_load_max/layer{i}"] = float(m.last_load.max() * m.num_experts)
                     monitor.log(self.step, metrics)
-                    t_last, window = now, {"positions": 0, "tokens": 0}
+                    t_last, window = now, {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
                 if self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
                     self.save()
         finally:

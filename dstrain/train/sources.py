@@ -1,0 +1,95 @@
+"""Where a drafter step's micro-batches come from: the one seam between colocated and disaggregated runs.
+
+`LocalSource` (colocated) reads the shards and runs the target in this process. `ChannelSource`
+(disaggregated) receives samples and their target rows from the target replica feeding this rank.
+Both hand the trainer the same thing: samples, their packing (anchors drawn here, from the shared
+seeded sampler) and target features indexed the way the packing says, so packing, the drafter and
+the losses are one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dstrain.channel import Receiver, compact, needed_rows, send_resume
+from dstrain.data.loader import Sample
+from dstrain.data.packing import PackedBlocks
+from dstrain.train.step import FeatureCache, TargetFeatures, pack_samples, target_features
+
+
+@dataclass
+class MicroBatch:
+    samples: list[Sample]
+    packed: PackedBlocks
+    source: object
+    features: TargetFeatures | None = None
+
+    def target_features(self) -> TargetFeatures:
+        return self.features if self.features is not None else self.source.features(self.samples)
+
+
+class LocalSource:
+    def __init__(self, target, loader, recipe, cache: FeatureCache | None = None):
+        self.target, self.loader, self.recipe, self.cache = target, loader, recipe, cache
+        self._stream = None
+
+    def start(self, step: int) -> None:
+        self._stream = iter(self.loader)
+
+    def next_step(self, step: int) -> list[MicroBatch]:
+        r = self.recipe
+        out = []
+        for _ in range(r.train.grad_accum):
+            samples = [next(self._stream) for _ in range(r.train.micro_batch_size)]
+            out.append(MicroBatch(samples, pack_samples(samples, r.drafter.block_size, r.anchors.per_sequence,
+                                                        r.drafter.sliding_window, r.run.seed, step), self))
+        return out
+
+    def features(self, samples: list[Sample]) -> TargetFeatures:  # lazily, one micro-batch at a time
+        return target_features(self.target, samples, self.cache)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+    def traffic(self) -> dict:
+        return {}
+
+
+class ChannelSource:
+    def __init__(self, receiver: Receiver, resume_to: list[int], recipe):
+        self.receiver, self.resume_to, self.recipe = receiver, resume_to, recipe
+        self.loader_state: dict | None = None
+
+    def start(self, step: int) -> None:
+        """Tell every rank of the feeding replica where to start (its loaders live there)."""
+        send_resume(self.resume_to, step, self.loader_state)
+        self.receiver.prefetch()
+
+    def next_step(self, step: int) -> list[MicroBatch]:
+        r = self.recipe
+        out = []
+        for _ in range(r.train.grad_accum):
+            got = self.receiver.receive()
+            if got.step != step:
+                raise RuntimeError(f"channel out of step: drafter at step {step}, target sent step {got.step}")
+            packed = pack_samples(got.samples, r.drafter.block_size, r.anchors.per_sequence, r.drafter.sliding_window,
+                                  r.run.seed, step)
+            ctx, finals = needed_rows(packed)
+            if (len(ctx), len(finals)) != (got.captured.shape[0], got.final_hidden.shape[0]):
+                raise RuntimeError(f"channel: target sent {got.captured.shape[0]}/{got.final_hidden.shape[0]} rows, the"
+                                   f" drafter's anchors need {len(ctx)}/{len(finals)}: the two sides disagree on anchors")
+            out.append(MicroBatch(got.samples, compact(packed), self, TargetFeatures(got.captured, got.final_hidden)))
+            self.loader_state = got.loader_state
+        return out
+
+    def state_dict(self) -> dict:
+        return dict(self.loader_state or {})
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader_state = {"epoch": int(state["epoch"]), "consumed": int(state["consumed"])} if state else None
+
+    def traffic(self) -> dict:
+        return self.receiver.traffic.take()

@@ -1,0 +1,84 @@
+"""What a target rank does in a disaggregated run: read the shards of the drafters it feeds, run the
+frozen target forward in lock-step with the other ranks of its replica, and stream the rows each
+drafter's anchors need (channel.py). The target holds no optimizer and writes no checkpoint: the
+drafters own the run's position and send it here at start (resume)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dstrain.channel import Sender, needed_rows, recv_resume
+from dstrain.errors import UserError
+from dstrain.train.step import pack_samples, padded_batch
+
+
+def stage_of_layer(num_layers: int, pp: int, layer: int) -> int:
+    return layer // (num_layers // pp)
+
+
+def load_role_target(recipe, world):
+    """megatron (any tp/pp/ep) or HF (one rank per replica) on this target rank."""
+    lay = world.layout
+    if recipe.target.backend == "megatron":
+        from dstrain.target.megatron import load_megatron_target
+
+        return load_megatron_target(recipe.target, world.target_groups, recipe.run.seed)
+    if (lay.tp, lay.pp, lay.ep) != (1, 1, 1):
+        raise UserError("target.backend=hf serves one whole replica per rank here: set world.target.tp/pp/ep=1,"
+                        " or target.backend=megatron for a sharded target")
+    from dstrain.target import load_target
+
+    return load_target(recipe.target, seed=recipe.run.seed)
+
+
+def _flat(batch: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    return torch.cat([batch[i, :n] for i, n in enumerate(lengths)])
+
+
+def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
+    lay = world.layout
+    tp_rank, replica, stage = lay.coords(world.rank)
+    target = load_role_target(recipe, world)
+    local_layers = getattr(target, "local_layers", target.capture_layers)
+    is_lead, sends_rows = tp_rank == 0 and stage == lay.pp - 1, tp_rank == 0 and bool(local_layers)
+    served = lay.drafters_of_replica(replica)
+    loaders = {j: make_loader(j, lay.drafters) for j in served}
+    start = None
+    for j in served:  # every drafter of this replica says where the run stands
+        step, state = recv_resume(lay.target_ranks + j)
+        if state is not None:
+            loaders[j].load_state_dict({**loaders[j].state_dict(), **state})
+        start = step if start is None else start
+    streams = {j: iter(loaders[j]) for j in served}
+    r = recipe
+    sender = Sender()
+    log_path = run_dir / "channel" / f"target-rank-{world.rank}.jsonl"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a") as log:
+        for step in range(start, r.train.steps):
+            t0, sent0 = time.perf_counter(), sender.traffic.sent
+            for mb in range(r.train.grad_accum):
+                for j in served:
+                    samples = [next(streams[j]) for _ in range(r.train.micro_batch_size)]
+                    packed = pack_samples(samples, r.drafter.block_size, r.anchors.per_sequence, r.drafter.sliding_window,
+                                          r.run.seed, step)
+                    ctx, finals = needed_rows(packed)
+                    ids, att, lengths = padded_batch(samples)
+                    out = target(ids, att)
+                    captured = out.captured if out is not None else target.local_captured
+                    final = out.final_hidden if out is not None else target.final_hidden
+                    dst = lay.target_ranks + j
+                    if is_lead:
+                        sender.send_lead(dst, step, mb, samples, _flat(final, lengths)[finals], len(ctx),
+                                         len(target.capture_layers), loaders[j].state_dict())
+                    if sends_rows:
+                        sender.send_rows(dst, _flat(captured, lengths)[ctx])
+            log.write(json.dumps({"step": step + 1, "bytes_sent": sender.traffic.sent - sent0,
+                                  "seconds": round(time.perf_counter() - t0, 4)}) + "\n")
+            log.flush()
+    sender.flush()
+    return 0

@@ -1,0 +1,117 @@
+"""No hangs when a rank dies: heartbeats through the rendezvous store, and a watcher on every rank.
+
+A blocked gloo/NCCL call never returns when its peer is gone, so each rank runs a daemon thread that
+(1) bumps its own heartbeat counter in the store every second and (2) reads everyone else's. A peer
+whose counter stops moving for `DSTRAIN_HEARTBEAT_TIMEOUT_S` (default 20 s), a peer that recorded an
+error, or a lost store (the launcher holding it is gone) makes the watcher print one line naming the
+rank and its role and end this process with exit code 3 — whatever the main thread is blocked in.
+
+A rank that ends cleanly marks itself done, so the others stop watching it. A rank stopped by a
+signal (its launcher tearing down a node after a local failure) records that, and the watchers keep
+looking for the rank that actually stopped responding before they report.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+EXIT_PEER_FAILED = 3
+_STATE: dict = {}
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore("dstrain-watchdog/", _get_default_store())
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"dstrain: {line}\n")
+    sys.stderr.flush()
+
+
+def start_watchdog(world, run_dir=None) -> None:
+    if world.world_size == 1 or _STATE:
+        return
+    timeout = float(os.environ.get("DSTRAIN_HEARTBEAT_TIMEOUT_S", "20"))
+    store = _store()
+    store.set_timeout(timedelta(seconds=10))
+    describe = world.layout.describe if world.layout else (lambda r: f"rank {r}")
+    _STATE.update(store=store, rank=world.rank)
+    if run_dir is not None:  # lets operators (and the failure test) find each rank's process
+        pids = run_dir / "pids"
+        pids.mkdir(parents=True, exist_ok=True)
+        (pids / f"rank-{world.rank}").write_text(str(os.getpid()))
+
+    def on_signal(signum, _frame):
+        record_failure(f"stopped by signal {signal.Signals(signum).name} (its launcher is tearing the job down)")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    threading.Thread(target=_watch, args=(world.rank, world.world_size, timeout, describe), daemon=True,
+                     name="dstrain-watchdog").start()
+
+
+def record_failure(message: str) -> None:
+    """Tell the other ranks why this one is stopping (best effort: the store may be gone too)."""
+    if not _STATE:
+        return
+    try:
+        _STATE["store"].set(f"failed/{_STATE['rank']}", message[:500])
+    except Exception:  # noqa: BLE001 — nothing more to do on the way out
+        pass
+
+
+def mark_done() -> None:
+    if _STATE:
+        try:
+            _STATE["store"].set(f"done/{_STATE['rank']}", "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _watch(rank: int, size: int, timeout: float, describe) -> None:
+    store = _STATE["store"]
+    peers = [r for r in range(size) if r != rank]
+    seen = {r: (-1, time.monotonic()) for r in peers}
+    signalled_since = None
+    while True:
+        time.sleep(1.0)
+        try:
+            store.add(f"hb/{rank}", 1)
+            now = time.monotonic()
+            stale, failed, signalled = [], [], []
+            for r in peers:
+                if store.check([f"done/{r}"]):
+                    continue
+                if store.check([f"failed/{r}"]):
+                    msg = store.get(f"failed/{r}").decode()
+                    (signalled if msg.startswith("stopped by signal") else failed).append((r, msg))
+                    continue
+                count = store.add(f"hb/{r}", 0)
+                if count != seen[r][0]:
+                    seen[r] = (count, now)
+                elif now - seen[r][1] > timeout:
+                    stale.append(r)
+        except Exception as exc:  # noqa: BLE001 — the store's host (launcher) is gone: nobody can coordinate
+            _say(f"{describe(rank)} lost the rendezvous store ({type(exc).__name__}); the launcher or node holding it "
+                 "is gone. Stopping.")
+            os._exit(EXIT_PEER_FAILED)
+        if signalled and not failed and not stale:
+            signalled_since = signalled_since or now
+            if now - signalled_since <= timeout:  # wait for the rank that actually died to go stale
+                continue
+        if failed or stale or signalled:
+            parts = [f"{describe(r)} failed: {m}" for r, m in failed]
+            parts += [f"{describe(r)} stopped responding (no heartbeat for {timeout:.0f} s: killed, crashed or hung)"
+                      for r in stale]
+            parts += [f"{describe(r)} was {m}" for r, m in signalled]
+            _say("; ".join(parts) + f". Stopping {describe(rank)}.")
+            os._exit(EXIT_PEER_FAILED)
