@@ -140,7 +140,8 @@ class Receiver:
         self.traffic.received += _nbytes(t)
         return t
 
-    def receive(self) -> Received:
+    def receive(self, more: bool = True) -> Received:
+        """One micro-batch; `more`: another follows (post its header's receive now)."""
         h = self._header().tolist()
         self.traffic.received += HEADER_WORDS * 8
         _, step, _, n, total, n_ctx, n_final, m_total, d, code, id_bytes, epoch, consumed = h[:13]
@@ -152,7 +153,8 @@ class Receiver:
         finals = self._recv(self.lead, (n_final, d), dtype)
         parts = [self._recv(src, (n_ctx, m, d), dtype) for src, m in self.row_sources]
         captured = torch.cat(parts, 1)[:, self.capture_order]
-        self.prefetch()
+        if more:
+            self.prefetch()
         samples, start = [], 0
         for i, length in enumerate(lengths.tolist()):
             samples.append(Sample(input_ids=ids[start : start + length], loss_mask=masks[start : start + length].bool(),

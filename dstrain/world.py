@@ -1,9 +1,10 @@
 """Process groups and roles.
 
 Colocated (default): every rank is a data-parallel replica holding a target and a drafter.
-Disaggregated: ranks [0, T) serve the frozen target (T = tp·pp·dp, megatron order tp fastest, then
-data-parallel replica, then pipeline stage); ranks [T, T+D) are DeepSpeed drafter workers. Drafter j
-is fed by target replica j mod dp; inside a replica, the tensor-rank-0 process of every pipeline
+Disaggregated: ranks [0, D) are DeepSpeed drafter workers and ranks [D, D+T) serve the frozen target
+(T = tp·pp·dp, megatron order tp fastest, then data-parallel replica, then pipeline stage). Drafters
+come first so that DeepSpeed's notion of "rank 0" is a drafter (see train/ds_glue.py); on a multi-node
+launch the first nodes run drafters. Drafter j is fed by target replica j mod dp; inside a replica, the tensor-rank-0 process of every pipeline
 stage sends the rows it owns (captured layers of its stage; the last stage also the final states).
 
 Every process group is created on every rank in the same order (torch.distributed requires it,
@@ -42,12 +43,20 @@ class Layout:
     def world_size(self) -> int:
         return self.target_ranks + self.drafters
 
+    @property
+    def target_offset(self) -> int:
+        return self.drafters if self.disaggregated else 0
+
     def target_rank(self, tp: int, dp: int, pp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+        return self.target_offset + tp + self.tp * (dp + self.dp * pp)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tp, dp, pp) of a target rank."""
-        return rank % self.tp, rank // self.tp % self.dp, rank // (self.tp * self.dp)
+        r = rank - self.target_offset
+        return r % self.tp, r // self.tp % self.dp, r // (self.tp * self.dp)
+
+    def drafter_rank(self, j: int) -> int:
+        return j
 
     def replica_of_drafter(self, j: int) -> int:
         return j % self.dp
@@ -62,14 +71,14 @@ class Layout:
     def role(self, rank: int) -> str:
         if not self.disaggregated:
             return "colocated"
-        return "target" if rank < self.target_ranks else "drafter"
+        return "drafter" if rank < self.drafters else "target"
 
     def describe(self, rank: int) -> str:
         if self.role(rank) == "target":
             tp, dp, pp = self.coords(rank)
             return f"rank {rank} (target replica {dp}, pipeline stage {pp}, tensor rank {tp})"
         if self.role(rank) == "drafter":
-            return f"rank {rank} (drafter {rank - self.target_ranks})"
+            return f"rank {rank} (drafter {rank})"
         return f"rank {rank}"
 
 
@@ -138,7 +147,7 @@ class World:
 
     @property
     def drafter_index(self) -> int:
-        return self.rank - (self.layout.target_ranks if self.layout else 0)
+        return self.rank
 
     @property
     def num_drafters(self) -> int:
@@ -179,10 +188,10 @@ def build_groups(world: World) -> None:
     """Every group of a disaggregated world, created in lock-step on all ranks."""
     lay = world.layout
     pgs = target_process_groups(lay)
-    drafters = list(range(lay.target_ranks, lay.world_size))
+    drafters = list(range(lay.drafters))
     drafter_group = dist.new_group(drafters)
     self_groups, _ = dist.new_subgroups_by_enumeration([[r] for r in drafters])
-    if world.rank < lay.target_ranks:
+    if world.role == "target":
         world.target_groups = pgs
     else:
         world.drafter_group = drafter_group
@@ -190,12 +199,13 @@ def build_groups(world: World) -> None:
 
 
 def target_process_groups(lay: Layout):
-    """megatron's ProcessGroupCollection over ranks [0, T) (None on ranks outside); call on every rank."""
+    """megatron's ProcessGroupCollection over the target ranks (None on other ranks); call on every rank."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    grid = HyperCommGrid([lay.tp, 1, lay.dp, lay.pp], ["tp", "cp", "dp", "pp"])
-    experts = HyperCommGrid([1, lay.ep, lay.tp * lay.dp // lay.ep, lay.pp], ["etp", "ep", "edp", "pp"])
+    off = lay.target_offset
+    grid = HyperCommGrid([lay.tp, 1, lay.dp, lay.pp], ["tp", "cp", "dp", "pp"], rank_offset=off)
+    experts = HyperCommGrid([1, lay.ep, lay.tp * lay.dp // lay.ep, lay.pp], ["etp", "ep", "edp", "pp"], rank_offset=off)
     pgs = ProcessGroupCollection()
     for name, dims in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp", "dp"), ("mp", ["tp", "pp"]),
                        ("tp_cp", ["tp", "cp"]), ("dp_cp", ["cp", "dp"]), ("tp_dp_cp", ["tp", "cp", "dp"])):
@@ -204,4 +214,4 @@ def target_process_groups(lay: Layout):
                        ("tp_ep_pp", ["etp", "ep", "pp"])):
         setattr(pgs, name, experts.create_pg(dims))
     pgs.embd = pgs.pos_embd = pgs.pp  # embeddings are untied on the target side: no extra group needed
-    return pgs if dist.get_rank() < lay.target_ranks else None
+    return pgs if off <= dist.get_rank() < off + lay.target_ranks else None

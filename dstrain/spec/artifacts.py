@@ -89,11 +89,20 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
     raise UserError(f"{folder}: neither a training run folder (checkpoints/) nor an exported drafter (config.json)")
 
 
+def _strip(state: dict) -> dict:
+    """Checkpoints hold train.step.DraftStep (drafter + loss); artifacts are the drafter alone."""
+    return {k.removeprefix("drafter."): v for k, v in state.items()}
+
+
 def run_artifact(folder: Path, recipe_tree: dict, tag: str, name: str) -> DrafterArtifact:
     states = folder / "checkpoints" / tag / "mp_rank_00_model_states.pt"
     if not states.is_file():
         raise UserError(f"{states}: missing (damaged checkpoint); delete {states.parent} to fall back to an older one")
-    module = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    module = _strip(torch.load(states, map_location="cpu", weights_only=False)["module"])
+    if any(t.numel() == 0 for t in module.values()):  # ZeRO-3: every rank holds a slice; consolidate them
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        module = _strip(get_fp32_state_dict_from_zero_checkpoint(str(folder / "checkpoints"), tag=tag))
     steps = int(tag.split("-")[-1]) if tag.startswith("step-") else None
     return DrafterArtifact(name, folder, recipe_tree["drafter"], recipe_tree["target"], module, None, _read_sts(folder), steps,
                            recipe_tree.get("run", {}).get("seed", 0))

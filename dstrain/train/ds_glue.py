@@ -1,25 +1,60 @@
 """DeepSpeed in a world it does not own.
 
-In a disaggregated run the drafter ranks are a subset of the torch.distributed world. DeepSpeed
-takes its data-parallel group from the mpu (world.DrafterMPU), but its checkpoint code still calls
-world-wide `barrier()` (deepspeed 0.19.8, engine.save_checkpoint / load_checkpoint), which would
-wait forever for target ranks that never checkpoint. Those barriers are scoped to the drafter group.
+In a disaggregated run the drafter ranks are the first D ranks of a larger torch.distributed world
+(target ranks follow). DeepSpeed takes its data-parallel group from the mpu (world.DrafterMPU), but
+parts of deepspeed 0.19.8 still talk to the whole world with group-less calls: checkpoint barriers
+(engine.save_checkpoint / load_checkpoint), ZeRO-3's trace checks (broadcast from rank 0), and
+world-size queries. Target ranks never join those, so in a drafter process every group-less (or
+WORLD) call of DeepSpeed's torch backend is scoped to the drafter group. Drafters come first in the
+world, so "rank 0" keeps meaning the first drafter and global ranks equal drafter-group ranks.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch.distributed as dist
 from deepspeed.comm.torch import TorchBackend
 
-_ORIGINAL_BARRIER = TorchBackend.barrier
+SCOPED = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "broadcast", "broadcast_object_list",
+          "all_gather", "all_gather_into_tensor", "all_gather_base", "all_gather_coalesced", "all_gather_object",
+          "reduce_scatter_tensor", "all_to_all", "gather", "scatter", "barrier", "monitored_barrier", "get_world_size")
+_ORIGINALS = {name: getattr(TorchBackend, name) for name in SCOPED if hasattr(TorchBackend, name)}
+_SCOPE: dict = {}
+
+
+def _real_signature(name: str, fn):
+    """deepspeed wraps some methods in a CPU-staging `wrapper(self, *args, **kwargs)` without functools.wraps;
+    the signature that names `group` is the wrapped function's, found in the wrapper's closure."""
+    for cell in fn.__closure__ or ():
+        inner = cell.cell_contents
+        if callable(inner) and getattr(inner, "__name__", "") == name:
+            return inspect.signature(inner)
+    return inspect.signature(fn)
+
+
+def _scoped(name, fn):
+    sig = _real_signature(name, fn)
+    if "group" not in sig.parameters:
+        raise RuntimeError(f"deepspeed TorchBackend.{name} has no `group` parameter: ds_glue needs updating for this version")
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        group = bound.arguments.get("group")
+        if _SCOPE.get("group") is not None and (group is None or group is dist.GroupMember.WORLD):
+            bound.arguments["group"] = _SCOPE["group"]
+        return fn(*bound.args, **bound.kwargs)
+
+    return wrapper
 
 
 def scope_deepspeed_to(drafters) -> None:
-    """Make DeepSpeed's group-less barriers (in this process) mean the `drafters` group."""
-
-    def barrier(self, group=None, async_op=False, device_ids=None):
-        if group is None or group is dist.GroupMember.WORLD:
-            group = drafters
-        return _ORIGINAL_BARRIER(self, group=group, async_op=async_op, device_ids=device_ids)
-
-    TorchBackend.barrier = barrier
+    """From now on, DeepSpeed's group-less collectives in this process mean the `drafters` group."""
+    _SCOPE["group"] = drafters
+    for name, fn in _ORIGINALS.items():
+        if not getattr(getattr(TorchBackend, name), "_dstrain_scoped", False):
+            wrapped = _scoped(name, fn)
+            wrapped._dstrain_scoped = True
+            setattr(TorchBackend, name, wrapped)

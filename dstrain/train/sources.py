@@ -66,13 +66,14 @@ class ChannelSource:
     def start(self, step: int) -> None:
         """Tell every rank of the feeding replica where to start (its loaders live there)."""
         send_resume(self.resume_to, step, self.loader_state)
-        self.receiver.prefetch()
+        if step < self.recipe.train.steps:
+            self.receiver.prefetch()
 
     def next_step(self, step: int) -> list[MicroBatch]:
         r = self.recipe
         out = []
-        for _ in range(r.train.grad_accum):
-            got = self.receiver.receive()
+        for mb in range(r.train.grad_accum):
+            got = self.receiver.receive(more=step + 1 < r.train.steps or mb + 1 < r.train.grad_accum)
             if got.step != step:
                 raise RuntimeError(f"channel out of step: drafter at step {step}, target sent step {got.step}")
             packed = pack_samples(got.samples, r.drafter.block_size, r.anchors.per_sequence, r.drafter.sliding_window,

@@ -79,6 +79,23 @@ def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window
                        mask_token_id=0, window=window)
 
 
+class DraftStep(torch.nn.Module):
+    """The drafter and its loss as one module, the unit DeepSpeed wraps: under ZeRO-3 a parameter is only
+    gathered while a module that owns (or registered) it runs, and the loss reads the Markov head's W2
+    outside the drafter's own forward."""
+
+    def __init__(self, drafter: torch.nn.Module, zero3: bool = False):
+        super().__init__()
+        self.drafter = drafter
+        if zero3 and drafter.seq_w2 is not None:
+            import deepspeed
+
+            deepspeed.zero.register_external_parameter(self, drafter.seq_w2)
+
+    def forward(self, packed: PackedBlocks, feats: TargetFeatures, lm_head: torch.nn.Linear, loss_cfg):
+        return draft_losses(self.drafter, lm_head, packed, feats, loss_cfg)
+
+
 def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats: TargetFeatures, loss_cfg,
                  vocab_chunk: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
     """Position-weighted loss sums (see losses.drafter_loss_sums), the per-position TV [N, γ], and the DraftOutput."""

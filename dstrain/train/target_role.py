@@ -49,7 +49,7 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
     loaders = {j: make_loader(j, lay.drafters) for j in served}
     start = None
     for j in served:  # every drafter of this replica says where the run stands
-        step, state = recv_resume(lay.target_ranks + j)
+        step, state = recv_resume(lay.drafter_rank(j))
         if state is not None:
             loaders[j].load_state_dict({**loaders[j].state_dict(), **state})
         start = step if start is None else start
@@ -71,7 +71,7 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
                     out = target(ids, att)
                     captured = out.captured if out is not None else target.local_captured
                     final = out.final_hidden if out is not None else target.final_hidden
-                    dst = lay.target_ranks + j
+                    dst = lay.drafter_rank(j)
                     if is_lead:
                         sender.send_lead(dst, step, mb, samples, _flat(final, lengths)[finals], len(ctx),
                                          len(target.capture_layers), loaders[j].state_dict())

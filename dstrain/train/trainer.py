@@ -21,7 +21,7 @@ from dstrain.models.registry import build_drafter
 from dstrain.monitor import Monitor, peak_memory_mb
 from dstrain.train import checkpoint
 from dstrain.train.losses import position_weights
-from dstrain.train.step import draft_losses
+from dstrain.train.step import DraftStep
 
 
 def lr_lambda(train_cfg):
@@ -84,7 +84,7 @@ class Trainer:
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.train.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=recipe.train.lr, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.train))
-        self.engine, _, _, self.scheduler = deepspeed.initialize(model=drafter, optimizer=opt, lr_scheduler=sched, mpu=world.mpu,
+        self.engine, _, _, self.scheduler = deepspeed.initialize(model=DraftStep(drafter, recipe.deepspeed.zero_stage == 3), optimizer=opt, lr_scheduler=sched, mpu=world.mpu,
                                                                  config=deepspeed_config(recipe), dist_init_required=False)
         self.drafter = drafter
         self.ckpt_dir = run_dir / "checkpoints"
@@ -118,7 +118,7 @@ class Trainer:
         for i, mb in enumerate(micro):
             packed, feats = mb.packed, mb.target_features()
             tokens += sum(len(s.input_ids) for s in mb.samples)
-            sums, tv, out = draft_losses(self.engine.module, self.lm_head, packed, feats, r.loss)
+            sums, tv, out = self.engine(packed, feats, self.lm_head, r.loss)
             loss = sums["total"] * scale + r.drafter.ffn.aux_loss_coef * out.aux_loss / len(micro)
             self.engine.backward(loss, scale_wrt_gas=False)
             if i == len(micro) - 1:
