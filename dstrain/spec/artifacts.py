@@ -96,13 +96,14 @@ def _strip(state: dict) -> dict:
 
 def run_artifact(folder: Path, recipe_tree: dict, tag: str, name: str) -> DrafterArtifact:
     states = folder / "checkpoints" / tag / "mp_rank_00_model_states.pt"
-    if not states.is_file():
-        raise UserError(f"{states}: missing (damaged checkpoint); delete {states.parent} to fall back to an older one")
-    module = _strip(torch.load(states, map_location="cpu", weights_only=False)["module"])
-    if any(t.numel() == 0 for t in module.values()):  # ZeRO-3: every rank holds a slice; consolidate them
+    if (states.parent / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file():  # ZeRO-3: each rank holds a slice
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         module = _strip(get_fp32_state_dict_from_zero_checkpoint(str(folder / "checkpoints"), tag=tag))
+    elif states.is_file():
+        module = _strip(torch.load(states, map_location="cpu", weights_only=False)["module"])
+    else:
+        raise UserError(f"{states}: missing (damaged checkpoint); delete {states.parent} to fall back to an older one")
     steps = int(tag.split("-")[-1]) if tag.startswith("step-") else None
     return DrafterArtifact(name, folder, recipe_tree["drafter"], recipe_tree["target"], module, None, _read_sts(folder), steps,
                            recipe_tree.get("run", {}).get("seed", 0))

@@ -1,0 +1,170 @@
+"""The distributed runtime: megatron target parity, disaggregated == colocated, ZeRO stages, resume, rank death.
+
+Every multi-process check launches torchrun as a subprocess with a hard timeout and OMP_NUM_THREADS=1;
+several trainings share one launch (tests/dist/run_recipes.py) to keep start-up cost down on 2 cores.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_tool
+from dstrain.data.shards import synthetic_shards
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-5  # fp32 loss agreement, absolute (observed: ≤ 2e-7)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(nproc: int, *args, timeout=480, env=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                           str(free_port()), *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "shards"
+    synthetic_shards(str(out), "tiny-moe", 512, 192, seed=0)
+    return out
+
+
+def common(shards, steps=5):
+    return [f"data.shards={shards}", f"train.steps={steps}", "train.warmup_steps=1", "train.log_every=1",
+            "drafter.ffn.type=dense", "data.shuffle=false", "train.grad_accum=2"]
+
+
+DISAGG = ["world.mode=disaggregated", "world.target.tp=2", "world.drafter_ranks=2", "target.backend=megatron",
+          "train.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def runs(shards, tmp_path_factory):
+    """One colocated single-process run, then one 4-rank launch: 2 drafters fed by a TP=2 megatron target,
+    at ZeRO 0/1/2/3 (fp32), plus a ZeRO-2 bf16 run checkpointing every 3 steps (resume reference)."""
+    out = tmp_path_factory.mktemp("runs")
+    run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", *common(shards), "train.micro_batch_size=4",
+             f"run.output_dir={out / 'colocated'}")
+    plans = [common(shards) + DISAGG + [f"deepspeed.zero_stage={z}", f"run.output_dir={out / f'zero{z}'}"] for z in range(4)]
+    # before ZeRO-3: its engine swaps torch's linear for its own autograd function process-wide, which changes
+    # bf16 rounding in later runs of the same process (a fresh process, as the resumed run is, has the original)
+    plans.insert(3, common(shards, steps=6) + DISAGG + ["deepspeed.zero_stage=2", "deepspeed.precision=bf16",
+                                                        "train.checkpoint_every=3", f"run.output_dir={out / 'bf16'}"])
+    torchrun(4, "tests/dist/run_recipes.py", "recipes/tiny_moe.yaml", json.dumps(plans), timeout=600)
+    return out
+
+
+def test_megatron_target_equals_hf_at_tp2_pp2_ep2():
+    """Captured layers and final pre-LM-head states of six families, sharded TP=2 × PP=2 (EP=2 for MoE)."""
+    proc = torchrun(4, "tests/dist/megatron_parity.py", timeout=300)
+    report = json.loads(proc.stdout.split("PARITY ", 1)[1].splitlines()[0])
+    from dstrain.target.cpu_compat import PATCHES
+
+    assert report.pop("patches") == list(PATCHES)
+    assert set(report) == {"mixtral", "qwen3_moe", "qwen3_moe_presoftmax", "llama", "qwen2", "qwen3"}
+    for family, r in report.items():
+        assert r["max_abs_diff"] < 1e-4, (family, r)
+        assert r["scale"] > 1.0  # activations are O(1): the tolerance is not vacuous
+
+
+def test_disaggregated_equals_colocated_and_zero_stages_agree(runs):
+    reference = losses(runs / "colocated" / "tiny-moe-dspark")
+    assert len(reference) == 5
+    for z in range(4):
+        got = losses(runs / f"zero{z}" / "tiny-moe-dspark")
+        assert len(got) == 5
+        worst = max(abs(a - b) for a, b in zip(reference, got))
+        assert worst < TOL, (z, reference, got)
+    metrics = [json.loads(line) for line in open(runs / "zero0" / "tiny-moe-dspark" / "metrics.jsonl")]
+    assert all(m["channel_bytes_per_step"] > 0 for m in metrics)
+    sent = [json.loads(line) for f in sorted((runs / "zero0" / "tiny-moe-dspark" / "channel").glob("*.jsonl"))
+            for line in open(f)]
+    assert sum(r["bytes_sent"] for r in sent) > 0 and {r["step"] for r in sent} == set(range(1, 6))
+
+
+def test_zero3_checkpoint_exports_the_same_drafter_as_zero0(runs):
+    import torch
+
+    from dstrain.spec.artifacts import read_artifact
+
+    a = read_artifact(runs / "zero0" / "tiny-moe-dspark", "z0")
+    b = read_artifact(runs / "zero3" / "tiny-moe-dspark", "z3")
+    assert set(a.state) == set(b.state) and not any(k.startswith("drafter.") for k in a.state)
+    for k in a.state:
+        assert torch.allclose(a.state[k].float(), b.state[k].float(), atol=1e-5), k
+
+
+def test_disaggregated_bf16_resume_after_kill_is_exact(runs, shards, tmp_path):
+    """Kill the whole job right after the step-3 checkpoint, relaunch: steps 4-6 equal the uninterrupted run."""
+    reference = losses(runs / "bf16" / "tiny-moe-dspark")
+    fp32 = losses(runs / "zero2" / "tiny-moe-dspark")
+    assert len(reference) == 6 and max(abs(a - b) / b for a, b in zip(reference, fp32)) < 0.03  # bf16 tracks fp32
+    args = ["dstrain/main.py", "recipes/tiny_moe.yaml", *common(shards, steps=6), *DISAGG, "deepspeed.zero_stage=2",
+            "deepspeed.precision=bf16", "train.checkpoint_every=3", f"run.output_dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpts = tmp_path / "tiny-moe-dspark" / "checkpoints"
+    deadline = time.time() + 300
+    while not (ckpts / "latest").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    if (ckpts / "latest").read_text().strip() != "step-3":  # the job outran the kill: crash it at step 3 instead
+        shutil.rmtree(ckpts / (ckpts / "latest").read_text().strip())
+        (ckpts / "latest").write_text("step-3")
+    torchrun(4, *args)
+    got = losses(tmp_path / "tiny-moe-dspark")
+    assert len(got) >= 6
+    assert max(abs(a - b) for a, b in zip(reference[3:], got[-3:])) < TOL, (reference, got)
+
+
+def test_rank_death_stops_every_rank_naming_it(shards, tmp_path):
+    """Two launchers as two nodes (drafters on node 0, the TP=2 target on node 1). SIGKILL a target rank:
+    every process exits non-zero within 60 s and node 0's ranks name the dead rank."""
+    port = free_port()
+    args = ["dstrain/main.py", "recipes/tiny_moe.yaml", *common(shards, steps=100000), *DISAGG, f"run.output_dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DSTRAIN_HEARTBEAT_TIMEOUT_S": "10"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for n in (0, 1)]
+    run = tmp_path / "tiny-moe-dspark"
+    try:
+        deadline = time.time() + 300
+        while not (run / "metrics.jsonl").exists() and time.time() < deadline:
+            assert all(p.poll() is None for p in nodes), [p.communicate()[1][-3000:] for p in nodes]
+            time.sleep(0.2)
+        victim = int((run / "pids" / "rank-3").read_text())
+        killed = time.time()
+        os.kill(victim, signal.SIGKILL)
+        outs = [p.communicate(timeout=90) for p in nodes]
+        elapsed = time.time() - killed
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert elapsed < 60, elapsed
+    assert all(p.returncode != 0 for p in nodes)
+    node0 = outs[0][1]
+    assert "rank 3 (target replica 0, pipeline stage 0, tensor rank 1) stopped responding" in node0, node0[-3000:]
+    assert node0.count("Stopping rank") == 2, node0[-3000:]  # both drafters said so themselves
