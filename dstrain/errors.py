@@ -33,6 +33,9 @@ def cli_main(fn: F) -> F:
             _tell_peers(f"error: {err}")
             raise SystemExit(EXIT_USER_ERROR) from None
         except Exception as exc:
+            mod = sys.modules.get("dstrain.watchdog")
+            if mod is not None:
+                mod.on_comm_error(exc)  # a dead peer: returns only if no culprit was found
             _tell_peers(f"crashed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             raise
         except KeyboardInterrupt:

@@ -44,7 +44,7 @@ def start_watchdog(world, run_dir=None) -> None:
     store = _store()
     store.set_timeout(timedelta(seconds=10))
     describe = world.layout.describe if world.layout else (lambda r: f"rank {r}")
-    _STATE.update(store=store, rank=world.rank)
+    _STATE.update(store=store, rank=world.rank, timeout=timeout)
     if run_dir is not None:  # lets operators (and the failure test) find each rank's process
         pids = run_dir / "pids"
         pids.mkdir(parents=True, exist_ok=True)
@@ -67,6 +67,18 @@ def record_failure(message: str) -> None:
         _STATE["store"].set(f"failed/{_STATE['rank']}", message[:500])
     except Exception:  # noqa: BLE001 — nothing more to do on the way out
         pass
+
+
+COLLATERAL = ("stopped by signal", "lost a peer")
+
+
+def on_comm_error(exc: BaseException) -> None:
+    """The main thread's collective or p2p call failed (a peer's socket closed). That names no rank, so
+    say this rank is collateral, let the watcher find the rank that actually died, and exit from there."""
+    if not _STATE or not isinstance(exc, RuntimeError):
+        return
+    record_failure(f"lost a peer ({str(exc).splitlines()[0][:200]})")
+    time.sleep(_STATE["timeout"] + 5)  # the watcher thread os._exit()s with the named culprit before this ends
 
 
 def mark_done() -> None:
@@ -93,7 +105,7 @@ def _watch(rank: int, size: int, timeout: float, describe) -> None:
                     continue
                 if store.check([f"failed/{r}"]):
                     msg = store.get(f"failed/{r}").decode()
-                    (signalled if msg.startswith("stopped by signal") else failed).append((r, msg))
+                    (signalled if msg.startswith(COLLATERAL) else failed).append((r, msg))
                     continue
                 count = store.add(f"hb/{r}", 0)
                 if count != seen[r][0]:
