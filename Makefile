@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test test-fast demo eval-demo dry-run clean
+.PHONY: slurm install test test-fast demo eval-demo dry-run clean
 
 install: $(STAMP)
 
@@ -24,8 +24,15 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, deepspeed, megatron.core, transformers, webdataset, wandb; print('dstrain install ok: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(STAMP)
 
-test: install
+test: install slurm
 	$(PY) -m pytest -q tests
+
+# Slurm for tests/test_slurm.py: Debian's slurm-wlm (22.05), run as a one-node cluster by the test itself.
+slurm:
+	@command -v slurmctld >/dev/null || { command -v apt-get >/dev/null && \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null || \
+	   (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null)); } || \
+	  echo "slurm-wlm not installed (no apt-get): tests/test_slurm.py will skip"
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not distributed" tests

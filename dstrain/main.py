@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("recipe", help="YAML recipe (see recipes/)")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides, type-checked against the schema")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved plan (no weights loaded) and exit")
+    ap.add_argument("--print-world", action="store_true",
+                    help="print the process layout as JSON (world_size, drafter_ranks, target_ranks) and exit; used by slurm/")
     return ap.parse_args(argv)
 
 
@@ -39,6 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if args.print_world:
+        import json
+
+        from dstrain.world import layout_of
+
+        lay = layout_of(recipe.world)
+        print(json.dumps({"world_size": lay.world_size, "drafter_ranks": lay.drafters, "target_ranks": lay.target_ranks,
+                          "mode": recipe.world.mode}))
+        return 0
     if args.dry_run:
         from dstrain.plan import build_plan, format_plan
 

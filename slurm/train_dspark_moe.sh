@@ -1,0 +1,72 @@
+#!/bin/bash
+# Train a DSpark drafter on a Slurm cluster: one torchrun per node, rendezvous from the Slurm environment.
+#
+#   sbatch --nodes 4 slurm/train_dspark_moe.sh recipes/qwen3_moe.yaml [section.key=value ...]
+#
+# Layout: the recipe's world (world.drafter_ranks + world.target tp*pp*dp, or the colocated replicas) must equal
+# nodes x DSTRAIN_NPROC_PER_NODE. Ranks are numbered node by node and drafters come first, so the first
+# ceil(drafters / nproc) nodes run DeepSpeed drafter workers and the rest serve the megatron target; the
+# script prints which node does what before launching.
+# Logs: $DSTRAIN_LOG_DIR (default logs/slurm-JOBID)/node-N.log, one per node, plus this script's own output.
+# Preemption / time limit: the job is requeueable; 120 s before the limit Slurm sends USR1 and the script
+# requeues itself. A requeued (or preempted) job starts again and the trainer resumes from the last checkpoint
+# of runs/<run.name>/checkpoints — nothing to pass.
+# Environment: DSTRAIN_NPROC_PER_NODE (default: GPUs on the node, else 1), DSTRAIN_PYTHON (default .venv/bin/python),
+# DSTRAIN_MASTER_PORT (default 29500 + JOBID % 20000).
+#SBATCH --job-name=dstrain-dspark
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --output=logs/%x-%j.out
+set -euo pipefail
+
+RECIPE=${1:?usage: sbatch slurm/train_dspark_moe.sh RECIPE [section.key=value ...]}
+shift
+REPO=${SLURM_SUBMIT_DIR:-$(pwd)}
+cd "$REPO"
+PY=${DSTRAIN_PYTHON:-$REPO/.venv/bin/python}
+if [[ -z "${DSTRAIN_NPROC_PER_NODE:-}" ]]; then
+  DSTRAIN_NPROC_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+  [[ "$DSTRAIN_NPROC_PER_NODE" -ge 1 ]] || DSTRAIN_NPROC_PER_NODE=1
+fi
+NNODES=${SLURM_JOB_NUM_NODES:-1}
+NODES=($(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}"))
+LOG_DIR=${DSTRAIN_LOG_DIR:-$REPO/logs/slurm-${SLURM_JOB_ID:-local}}
+mkdir -p "$LOG_DIR"
+
+WORLD_JSON=$("$PY" dstrain/main.py "$RECIPE" "$@" --print-world)
+read -r WORLD DRAFTERS <<<"$("$PY" -c 'import json,sys; w=json.loads(sys.argv[1]); print(w["world_size"], w["drafter_ranks"])' "$WORLD_JSON")"
+if (( WORLD != NNODES * DSTRAIN_NPROC_PER_NODE )); then
+  echo "error: the recipe's world needs $WORLD processes but the job has $NNODES node(s) x $DSTRAIN_NPROC_PER_NODE;" \
+       "submit with --nodes $(( (WORLD + DSTRAIN_NPROC_PER_NODE - 1) / DSTRAIN_NPROC_PER_NODE )) or set DSTRAIN_NPROC_PER_NODE" >&2
+  exit 2
+fi
+for i in "${!NODES[@]}"; do
+  first=$(( i * DSTRAIN_NPROC_PER_NODE )); last=$(( first + DSTRAIN_NPROC_PER_NODE - 1 ))
+  role=target; (( last < DRAFTERS )) && role=drafter
+  (( first < DRAFTERS && last >= DRAFTERS )) && role="drafter+target"
+  grep -q '"colocated"' <<<"$WORLD_JSON" && role=colocated
+  echo "node $i ${NODES[$i]}: ranks $first-$last ($role)"
+done
+
+export MASTER_ADDR=${NODES[0]}
+export MASTER_PORT=${DSTRAIN_MASTER_PORT:-$(( 29500 + ${SLURM_JOB_ID:-0} % 20000 ))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export WANDB_MODE=${WANDB_MODE:-offline}
+echo "job ${SLURM_JOB_ID:-local} (restart ${SLURM_RESTART_COUNT:-0}): $WORLD ranks, rendezvous $MASTER_ADDR:$MASTER_PORT, logs $LOG_DIR"
+
+requeue() {
+  echo "time limit or preemption notice: requeueing job $SLURM_JOB_ID (training resumes from the last checkpoint)"
+  scontrol requeue "$SLURM_JOB_ID"
+}
+trap requeue USR1
+
+# One torchrun per node; --kill-on-bad-exit ends every node when one fails (dstrain's watchdog names the rank).
+# srun starts the command without a shell: bash -c reads each node's own SLURM_NODEID.
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$LOG_DIR/node-%n.log" \
+  bash -c 'py=$1; shift; exec "$py" -m torch.distributed.run --node-rank "$SLURM_NODEID" "$@"' _ "$PY" \
+  --nnodes "$NNODES" --nproc-per-node "$DSTRAIN_NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  dstrain/main.py "$RECIPE" "$@" &
+wait $!

@@ -1,0 +1,131 @@
+"""slurm/train_dspark_moe.sh on a real one-node Slurm (slurmctld + slurmd on localhost, no munge).
+
+The job trains a disaggregated tiny run (1 drafter rank + 1 target rank), is requeued by `scontrol requeue`
+once its first checkpoint exists, and must finish from that checkpoint: the sbatch script, the Slurm
+rendezvous, per-node logs and the requeue path, for real. `.ci/run` installs slurm-wlm.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from dstrain.data.shards import synthetic_shards
+
+pytestmark = pytest.mark.distributed
+
+CONF = """ClusterName=dstrain-test
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/none
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/builtin
+SchedulerParameters=batch_sched_delay=0
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MpiDefault=none
+NodeName=localhost CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    if not shutil.which("slurmctld"):
+        pytest.skip("slurm-wlm is not installed (.ci/run installs it: apt-get install slurm-wlm)")
+    d = tmp_path / "slurm"
+    for sub in ("state", "spool"):
+        (d / sub).mkdir(parents=True)
+    conf = d / "slurm.conf"
+    conf.write_text(CONF.format(d=d, ctld_port=free_port(), d_port=free_port()))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    daemons = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+               for cmd in (["slurmctld", "-D", "-f", str(conf)], ["slurmd", "-D", "-N", "localhost", "-f", str(conf)])]
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True).stdout.strip()
+            if state == "idle":
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"slurm never became idle: {(d / 'slurmctld.log').read_text()[-2000:]}")
+        yield env
+    finally:  # cancel jobs and wait for an empty queue before stopping the daemons (else job processes linger)
+        subprocess.run(["scancel", "--full", "-u", "root"], env=env, capture_output=True)
+        deadline = time.time() + 60
+        while time.time() < deadline and subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip():
+            time.sleep(0.5)
+        for p in daemons:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=30)
+
+
+def job_state(env, job: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def test_sbatch_trains_checkpoints_and_resumes_after_requeue(cluster, tmp_path):
+    shards = tmp_path / "shards"
+    synthetic_shards(str(shards), "tiny-moe", 512, 64, seed=0)
+    logs, out = tmp_path / "logs", tmp_path / "runs"
+    env = {**cluster, "DSTRAIN_NPROC_PER_NODE": "2", "DSTRAIN_LOG_DIR": str(logs), "DSTRAIN_MASTER_PORT": str(free_port()),
+           "DSTRAIN_PYTHON": str(Path(os.sys.executable))}
+    started = time.time()
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", f"--output={tmp_path}/job-%j.out", "slurm/train_dspark_moe.sh",
+                          "recipes/tiny_moe.yaml", f"data.shards={shards}", "world.mode=disaggregated", "world.drafter_ranks=1",
+                          "train.steps=40", "train.checkpoint_every=10", "train.log_every=1", f"run.output_dir={out}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    run = out / "tiny-moe-dspark"
+    requeued = False
+    deadline = time.time() + 420
+    while time.time() < deadline:
+        state = job_state(env, job)
+        if not requeued and (run / "checkpoints" / "latest").exists():
+            subprocess.run(["scontrol", "requeue", job], env=env, check=True, capture_output=True)
+            requeued = True
+        elif requeued and state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
+            # Slurm holds a requeued job for a while before it may start again; skip the wait
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True)
+        elif state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        time.sleep(0.5)
+    elapsed = time.time() - started
+    script_log = "\n".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+    assert state.get("JobState") == "COMPLETED", (state, script_log[-3000:])
+    assert requeued and int(state.get("Restarts", "0")) >= 1, state
+    assert "node 0 localhost: ranks 0-1 (drafter+target)" in script_log
+    assert (logs / "node-0.log").is_file()
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 40 and (run / "checkpoints" / "step-40").is_dir()
+    assert len(steps) < 40 + 10 * 2, steps  # the second start resumed from a checkpoint instead of step 0
+    assert steps.count(1) == 1, steps
+    print(f"slurm job {job}: {elapsed:.0f} s including one requeue")
