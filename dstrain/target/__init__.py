@@ -25,7 +25,8 @@ def load_target(target, seed: int = 0) -> TargetBackend:
     from dstrain.target.hf import HFTarget, load_hf_model, random_model
 
     if target.backend != "hf":
-        raise UserError(f"target.backend={target.backend}: not available yet in this build; use target.backend=hf")
+        raise UserError(f"target.backend={target.backend} shards the target over its own ranks: set world.mode=disaggregated"
+                        " (with world.target.tp/pp/ep), or target.backend=hf for a colocated run")
     if target.source == "random":
         model = random_model(target.hf_config, seed, target.dtype)
     else:

@@ -1,0 +1,98 @@
+"""Single-process pieces of the distributed runtime: layout arithmetic, the channel's row selection,
+each megatron CPU patch on its own, and the traffic benchmark."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run_tool
+from dstrain.channel import compact, needed_rows
+from dstrain.data.loader import Sample
+from dstrain.errors import UserError
+from dstrain.train.step import pack_samples
+from dstrain.world import Layout, layout_of
+
+
+def test_layout_puts_drafters_first_and_routes_replicas():
+    lay = Layout(tp=2, pp=2, dp=2, ep=2, drafters=4, disaggregated=True)
+    assert lay.world_size == 12 and [lay.role(r) for r in (0, 3, 4, 11)] == ["drafter", "drafter", "target", "target"]
+    assert lay.target_rank(0, 0, 0) == 4 and lay.coords(4 + 1) == (1, 0, 0) and lay.coords(4 + 2) == (0, 1, 0)
+    assert lay.coords(4 + 4) == (0, 0, 1)  # pipeline stage is the slowest target dimension
+    assert lay.drafters_of_replica(1) == [1, 3] and lay.sources(1) == [lay.target_rank(0, 1, 0), lay.target_rank(0, 1, 1)]
+    assert lay.describe(7) == "rank 7 (target replica 1, pipeline stage 0, tensor rank 1)"
+
+
+def test_uneven_drafter_count_is_rejected():
+    from dstrain.recipe import WorldConfig
+
+    cfg = WorldConfig(mode="disaggregated", target={"tp": 1, "dp": 2}, drafter_ranks=3)
+    with pytest.raises(UserError, match="multiple of world.target.dp=2"):
+        layout_of(cfg)
+
+
+def test_streamed_rows_index_exactly_like_the_full_features():
+    gen = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(0, 50, (n,), generator=gen), torch.rand(n, generator=gen) > 0.3, {"id": f"s{i}"})
+               for i, n in enumerate((40, 17, 64))]
+    packed = pack_samples(samples, 4, 12, 8, seed=3, epoch=1)
+    total = sum(len(s.input_ids) for s in samples)
+    captured, final = torch.randn(total, 3, 5), torch.randn(total, 5)
+    ctx, finals = needed_rows(packed)
+    assert len(finals) < packed.final_rows.numel()  # overlapping blocks share rows: dedup matters here
+    small = compact(packed)
+    assert torch.equal(captured[ctx][small.ctx_rows], captured[packed.ctx_rows])
+    assert torch.equal(final[finals][small.final_rows], final[packed.final_rows])
+
+
+PATCH_CHECKS = r"""
+import json, numpy as np, torch
+from dstrain.target import cpu_compat
+applied = cpu_compat.apply()
+out = {"applied": applied}
+out["cuda_streams"] = torch.cuda.Stream() is torch.cuda.current_stream() and torch.cuda.current_device() == "cpu"
+from megatron.core.transformer import utils
+from megatron.core.fusions import fused_softmax
+m = fused_softmax.get_sliding_window_causal_mask(5, 5, (1, 0))  # True = masked; window 2 incl. self
+out["cpu_masks"] = (torch.equal(utils.get_default_causal_mask(4), torch.triu(torch.ones(4, 4, dtype=torch.bool), 1))
+                    and m.device.type == "cpu" and m[4].tolist() == [True, True, True, False, False])
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+state = torch.get_rng_state()
+with get_cuda_rng_tracker().fork():
+    torch.rand(3)
+out["cpu_rng_fork"] = torch.equal(state, torch.get_rng_state())
+from megatron.core.transformer.moe import moe_utils
+out["router_gemm_name"] = moe_utils.te_general_gemm is None
+from megatron.core.tensor_parallel import mappings
+seen = {}
+class Spy:
+    @staticmethod
+    def apply(group, x, out_sizes, in_sizes):
+        seen.update(out=out_sizes, inp=in_sizes)
+        return x
+mappings._AllToAll = Spy
+from megatron.core.transformer.moe import token_dispatcher
+token_dispatcher.all_to_all(object(), torch.zeros(3), np.array([1, 2]), np.array([2, 1]))
+out["a2a_split_lists"] = seen == {"out": [1, 2], "inp": [2, 1]} and all(type(v) is int for v in seen["out"])
+print(json.dumps(out))
+"""
+
+
+def test_each_megatron_cpu_patch_does_its_one_job():
+    proc = subprocess.run([sys.executable, "-c", PATCH_CHECKS], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    from dstrain.target.cpu_compat import PATCHES
+
+    assert out.pop("applied") == list(PATCHES)
+    assert out == {name: True for name in PATCHES}
+
+
+def test_bench_traffic_reports_the_o_of_d_saving():
+    proc = run_tool("tools/bench_traffic.py", "--recipes", "recipes/tiny_moe.yaml,recipes/smollm2_moe.yaml", timeout=300)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| smollm2_moe")]
+    assert rows, proc.stdout
+    supervision_ratio = float(rows[0].rstrip(" |").split("1/")[-1])
+    assert supervision_ratio > 20  # final states at block rows vs full logits: d=576 vs V=49152
