@@ -94,6 +94,14 @@ def build_plan(recipe: Recipe) -> Plan:
     cfg, source = resolve_config(recipe.target)
     sizes = size_target(cfg)
     check_layout(recipe, sizes)
+    from dstrain.world import layout_of
+
+    layout_of(recipe.world)  # drafter count vs replicas
+    if recipe.target.backend == "megatron":
+        from dstrain.target.megatron_weights import check_layout as check_megatron
+
+        t = recipe.world.target
+        check_megatron(cfg, t.tp, t.pp, t.ep)
     capture = recipe.target.capture_layers or default_capture_layers(sizes.num_layers, recipe.target.num_capture)
     bad = [i for i in capture if not 0 <= i < sizes.num_layers]
     if bad:
@@ -122,10 +130,10 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     if w.mode == "colocated":
         add(f"  world    colocated: {w.world_size} rank(s), each a full target replica + a drafter replica; DeepSpeed ZeRO-{ds.zero_stage} {ds.precision}")
     else:
-        nt = t.ranks
-        add(f"  world    disaggregated: {w.world_size} ranks = target ranks 0..{nt - 1} (tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp})"
-            f" + drafter ranks {nt}..{w.world_size - 1} (DeepSpeed ZeRO-{ds.zero_stage} {ds.precision})")
-        add(f"           routing: target replica i streams to drafter ranks {{j : j mod {t.dp} = i}} ({w.drafter_ranks} drafter ranks / {t.dp} replicas)")
+        nd = w.drafter_ranks
+        add(f"  world    disaggregated: {w.world_size} ranks = drafter ranks 0..{nd - 1} (DeepSpeed ZeRO-{ds.zero_stage} {ds.precision})"
+            f" + target ranks {nd}..{w.world_size - 1} (tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp}; tp fastest, then replica, then stage)")
+        add(f"           routing: target replica i streams to drafter ranks {{j : j mod {t.dp} = i}} ({nd} drafter ranks / {t.dp} replicas)")
     moe = f", {s.num_experts} experts top-{s.experts_per_token}" if s.num_experts else ", dense"
     add(f"  target   {r.target.name} [backend={r.target.backend}, {r.target.dtype}] from {plan.source}")
     add(f"           {_n(s.params)} params ({_n(s.active_params)} active), {s.num_layers} layers, d={s.hidden_size}, vocab={s.vocab_size}{moe}")

@@ -3,7 +3,8 @@
 A backend exposes sizes, the chosen capture layers, the frozen embedding / final norm / LM head,
 and a no-grad forward returning the captured layers' outputs and the final pre-LM-head hidden
 states (the exact input of the LM head, i.e. after the final norm). The Hugging Face backend lives
-in hf.py; the megatron-core backend (Distributed issue) implements the same protocol.
+in hf.py. The megatron-core backend (megatron.py) runs only on target ranks of a disaggregated run: it
+gives the forward (per pipeline stage), while drafter ranks read the embedding and LM head themselves (frozen.py).
 """
 
 from __future__ import annotations
