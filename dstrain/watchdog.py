@@ -1,10 +1,13 @@
 """No hangs when a rank dies: heartbeats through the rendezvous store, and a watcher on every rank.
 
 A blocked gloo/NCCL call never returns when its peer is gone, so each rank runs a daemon thread that
-(1) bumps its own heartbeat counter in the store every second and (2) reads everyone else's. A peer
-whose counter stops moving for `DSTRAIN_HEARTBEAT_TIMEOUT_S` (default 20 s), a peer that recorded an
-error, or a lost store (the launcher holding it is gone) makes the watcher print one line naming the
-rank and its role and end this process with exit code 3 — whatever the main thread is blocked in.
+(1) bumps its own heartbeat counter in the store every second, (2) reads the counters of its next
+`WATCHED` ranks (a ring: constant store load per rank however large the world), and (3) reads one
+shared `abort` key. A watched peer whose counter stops moving for `DSTRAIN_HEARTBEAT_TIMEOUT_S`
+(default 20 s), or a peer that recorded an error, makes the watcher publish the verdict in `abort`;
+every rank that sees it prints one line naming the culprit rank and its role and ends with exit code
+3 — whatever its main thread is blocked in. A lost store (the launcher holding it is gone) ends the
+rank the same way.
 
 A rank that ends cleanly marks itself done, so the others stop watching it. A rank stopped by a
 signal (its launcher tearing down a node after a local failure) records that, and the watchers keep
@@ -23,6 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 EXIT_PEER_FAILED = 3
+WATCHED = 4  # ring neighbours each rank watches
 _STATE: dict = {}
 
 
@@ -44,7 +48,7 @@ def start_watchdog(world, run_dir=None) -> None:
     store = _store()
     store.set_timeout(timedelta(seconds=10))
     describe = world.layout.describe if world.layout else (lambda r: f"rank {r}")
-    _STATE.update(store=store, rank=world.rank, timeout=timeout)
+    _STATE.update(store=store, rank=world.rank, timeout=timeout, describe=describe)
     if run_dir is not None:  # lets operators (and the failure test) find each rank's process
         pids = run_dir / "pids"
         pids.mkdir(parents=True, exist_ok=True)
@@ -65,6 +69,8 @@ def record_failure(message: str) -> None:
         return
     try:
         _STATE["store"].set(f"failed/{_STATE['rank']}", message[:500])
+        if not message.startswith(COLLATERAL):  # this rank is the cause: tell everyone at once
+            _STATE["store"].compare_set("abort", "", f"{_STATE['describe'](_STATE['rank'])} failed: {message[:500]}")
     except Exception:  # noqa: BLE001 — nothing more to do on the way out
         pass
 
@@ -91,17 +97,18 @@ def mark_done() -> None:
 
 def _watch(rank: int, size: int, timeout: float, describe) -> None:
     store = _STATE["store"]
-    peers = [r for r in range(size) if r != rank]
+    peers = [(rank + k) % size for k in range(1, min(WATCHED, size - 1) + 1)]
     seen = {r: (-1, time.monotonic()) for r in peers}
     signalled_since = None
     while True:
         time.sleep(1.0)
         try:
             store.add(f"hb/{rank}", 1)
+            verdict = store.get("abort").decode() if store.check(["abort"]) else ""
             now = time.monotonic()
             stale, failed, signalled = [], [], []
             for r in peers:
-                if store.check([f"done/{r}"]):
+                if verdict or store.check([f"done/{r}"]):
                     continue
                 if store.check([f"failed/{r}"]):
                     msg = store.get(f"failed/{r}").decode()
@@ -116,14 +123,21 @@ def _watch(rank: int, size: int, timeout: float, describe) -> None:
             _say(f"{describe(rank)} lost the rendezvous store ({type(exc).__name__}); the launcher or node holding it "
                  "is gone. Stopping.")
             os._exit(EXIT_PEER_FAILED)
-        if signalled and not failed and not stale:
-            signalled_since = signalled_since or now
-            if now - signalled_since <= timeout:  # wait for the rank that actually died to go stale
+        if not verdict:
+            if signalled and not failed and not stale:
+                signalled_since = signalled_since or now
+                if now - signalled_since <= timeout:  # wait for the rank that actually died to go stale
+                    continue
+            if not (failed or stale or signalled):
                 continue
-        if failed or stale or signalled:
             parts = [f"{describe(r)} failed: {m}" for r, m in failed]
             parts += [f"{describe(r)} stopped responding (no heartbeat for {timeout:.0f} s: killed, crashed or hung)"
                       for r in stale]
             parts += [f"{describe(r)} was {m}" for r, m in signalled]
-            _say("; ".join(parts) + f". Stopping {describe(rank)}.")
-            os._exit(EXIT_PEER_FAILED)
+            try:
+                store.compare_set("abort", "", "; ".join(parts))
+                verdict = store.get("abort").decode()  # the first verdict wins, so every rank prints the same
+            except Exception:  # noqa: BLE001
+                verdict = "; ".join(parts)
+        _say(f"{verdict}. Stopping {describe(rank)}.")
+        os._exit(EXIT_PEER_FAILED)

@@ -96,3 +96,20 @@ def test_bench_traffic_reports_the_o_of_d_saving():
     assert rows, proc.stdout
     supervision_ratio = float(rows[0].rstrip(" |").split("1/")[-1])
     assert supervision_ratio > 20  # final states at block rows vs full logits: d=576 vs V=49152
+
+
+def test_drafter_reassembles_captured_layers_in_the_recipe_order():
+    """PP=2: stage 0 sends layers 0 and 1, stage 1 sends layer 2; the recipe asked for [2, 0, 1]."""
+    from types import SimpleNamespace
+
+    from dstrain.main import channel_source
+
+    lay = Layout(tp=1, pp=2, dp=1, ep=1, drafters=1, disaggregated=True)
+    world = SimpleNamespace(layout=lay, drafter_index=0)
+    frozen = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=4), capture_layers=[2, 0, 1])
+    source = channel_source(SimpleNamespace(), world, frozen)
+    rx = source.receiver
+    assert rx.lead == lay.target_rank(0, 0, 1) and rx.row_sources == [(lay.target_rank(0, 0, 0), 2), (lay.target_rank(0, 0, 1), 1)]
+    stage_order = torch.tensor([[[0.0], [1.0], [2.0]]])  # [rows, m, d]: layer ids as they arrive: stage 0's two, then stage 1's
+    assert stage_order[:, rx.capture_order].flatten().tolist() == [2.0, 0.0, 1.0]
+    assert source.resume_to == [lay.target_rank(0, 0, 0), lay.target_rank(0, 0, 1)]
