@@ -64,6 +64,12 @@ def train(recipe) -> int:
     from dstrain.watchdog import mark_done, start_watchdog
     from dstrain.world import init_world
 
+    t = recipe.world.target
+    if recipe.world.mode == "disaggregated" and recipe.target.backend == "hf" and (t.tp, t.pp, t.ep) != (1, 1, 1):
+        from dstrain.errors import UserError
+
+        raise UserError("target.backend=hf serves one whole replica per target rank (tensor/expert parallel HF targets are"
+                        " not built): set world.target.tp/pp/ep=1 and scale with world.target.dp, or use a megatron family")
     world = init_world(recipe)
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -134,6 +134,9 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
         add(f"  world    disaggregated: {w.world_size} ranks = drafter ranks 0..{nd - 1} (DeepSpeed ZeRO-{ds.zero_stage} {ds.precision})"
             f" + target ranks {nd}..{w.world_size - 1} (tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp}; tp fastest, then replica, then stage)")
         add(f"           routing: target replica i streams to drafter ranks {{j : j mod {t.dp} = i}} ({nd} drafter ranks / {t.dp} replicas)")
+        if r.target.backend == "hf" and (t.tp, t.pp, t.ep) != (1, 1, 1):
+            add("           NOTE: the hf backend runs one whole replica per target rank; tp/pp/ep of HF targets is planned here"
+                " but not built, so launching this layout stops at start-up (set tp=pp=ep=1, or a megatron family)")
     moe = f", {s.num_experts} experts top-{s.experts_per_token}" if s.num_experts else ", dense"
     add(f"  target   {r.target.name} [backend={r.target.backend}, {r.target.dtype}] from {plan.source}")
     add(f"           {_n(s.params)} params ({_n(s.active_params)} active), {s.num_layers} layers, d={s.hidden_size}, vocab={s.vocab_size}{moe}")

@@ -220,6 +220,8 @@ class Recipe(Section):
             raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
         if self.train.min_lr > self.train.lr:
             raise ValueError("train.min_lr must not exceed train.lr")
+        if self.target.backend == "megatron" and self.world.mode == "colocated":
+            raise ValueError("target.backend=megatron shards the target over its own ranks: set world.mode=disaggregated")
         return self
 
 

@@ -113,3 +113,13 @@ def test_drafter_reassembles_captured_layers_in_the_recipe_order():
     stage_order = torch.tensor([[[0.0], [1.0], [2.0]]])  # [rows, m, d]: layer ids as they arrive: stage 0's two, then stage 1's
     assert stage_order[:, rx.capture_order].flatten().tolist() == [2.0, 0.0, 1.0]
     assert source.resume_to == [lay.target_rank(0, 0, 0), lay.target_rank(0, 0, 1)]
+
+
+def test_layouts_that_cannot_run_are_one_line_errors(tmp_path):
+    cases = {("target.backend=megatron",): "set world.mode=disaggregated",
+             ("world.mode=disaggregated", "world.target.tp=2"): "set world.target.tp/pp/ep=1",
+             ("world.mode=disaggregated", "world.drafter_ranks=3", "world.target.dp=2"): "multiple of world.target.dp=2",
+             ("world.mode=disaggregated", "target.backend=megatron", "world.target.tp=3", "--dry-run"): "does not divide the target's 4 attention heads"}
+    for overrides, expected in cases.items():
+        proc = run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={tmp_path}", *overrides, check=False)
+        assert proc.returncode == 2 and expected in proc.stderr and proc.stderr.count("\n") == 1, (overrides, proc.stderr)

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from dstrain.channel import Sender, needed_rows, recv_resume
-from dstrain.errors import UserError
 from dstrain.train.step import pack_samples, padded_batch
 
 
@@ -22,14 +21,10 @@ def stage_of_layer(num_layers: int, pp: int, layer: int) -> int:
 
 def load_role_target(recipe, world):
     """megatron (any tp/pp/ep) or HF (one rank per replica) on this target rank."""
-    lay = world.layout
     if recipe.target.backend == "megatron":
         from dstrain.target.megatron import load_megatron_target
 
         return load_megatron_target(recipe.target, world.target_groups, recipe.run.seed)
-    if (lay.tp, lay.pp, lay.ep) != (1, 1, 1):
-        raise UserError("target.backend=hf serves one whole replica per rank here: set world.target.tp/pp/ep=1,"
-                        " or target.backend=megatron for a sharded target")
     from dstrain.target import load_target
 
     return load_target(recipe.target, seed=recipe.run.seed)
