@@ -20,6 +20,14 @@ def run_tool(*args, timeout=600, check=True, **kw):
     return proc
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def smol_dir():
     """SmolLM2-135M-Instruct converted to a HF folder (once per machine; ~40 s the first time)."""

@@ -14,19 +14,11 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_tool
+from conftest import ROOT, free_port, run_tool
 from dstrain.data.shards import synthetic_shards
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5  # fp32 loss agreement, absolute (observed: ≤ 2e-7)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun(nproc: int, *args, timeout=480, env=None) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, run_tool
+from conftest import ROOT, free_port, run_tool
 from dstrain.data.shards import synthetic_shards
 
 
@@ -21,14 +21,6 @@ def tiny_shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny") / "shards"
     synthetic_shards(str(out), "tiny-moe", 512, 192, seed=0)
     return out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def losses(run_dir):

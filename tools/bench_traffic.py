@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from dstrain.channel import HEADER_WORDS, needed_rows  # noqa: E402
 from dstrain.data.loader import Sample  # noqa: E402
 from dstrain.errors import cli_main  # noqa: E402
-from dstrain.train.step import pack_samples  # noqa: E402
+from dstrain.train.step import pack_step  # noqa: E402
 
 DEFAULT = "recipes/tiny_moe.yaml,recipes/smollm2_moe.yaml,recipes/v4_flash.yaml"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -58,7 +58,7 @@ def measure(recipe_path: str, sequences: int, answer_share: float) -> dict:
     b = DTYPE_BYTES[r.target.dtype]
     gen = torch.Generator().manual_seed(0)
     samples = [chat_sample(r.data.max_length, answer_share, f"s{i}", gen) for i in range(sequences)]
-    packed = pack_samples(samples, r.drafter.block_size, r.anchors.per_sequence, r.drafter.sliding_window, r.run.seed, 0)
+    packed = pack_step(r, samples, 0)
     ctx, finals = needed_rows(packed)
     tokens = sum(len(s.input_ids) for s in samples)
     supervised = int(packed.valid.sum())

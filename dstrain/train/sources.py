@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dstrain.channel import Receiver, compact, needed_rows, send_resume
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks
-from dstrain.train.step import FeatureCache, TargetFeatures, pack_samples, target_features
+from dstrain.train.step import FeatureCache, TargetFeatures, pack_step, target_features
 
 
 @dataclass
@@ -41,8 +41,7 @@ class LocalSource:
         out = []
         for _ in range(r.train.grad_accum):
             samples = [next(self._stream) for _ in range(r.train.micro_batch_size)]
-            out.append(MicroBatch(samples, pack_samples(samples, r.drafter.block_size, r.anchors.per_sequence,
-                                                        r.drafter.sliding_window, r.run.seed, step), self))
+            out.append(MicroBatch(samples, pack_step(r, samples, step), self))
         return out
 
     def features(self, samples: list[Sample]) -> TargetFeatures:  # lazily, one micro-batch at a time
@@ -76,8 +75,7 @@ class ChannelSource:
             got = self.receiver.receive(more=step + 1 < r.train.steps or mb + 1 < r.train.grad_accum)
             if got.step != step:
                 raise RuntimeError(f"channel out of step: drafter at step {step}, target sent step {got.step}")
-            packed = pack_samples(got.samples, r.drafter.block_size, r.anchors.per_sequence, r.drafter.sliding_window,
-                                  r.run.seed, step)
+            packed = pack_step(r, got.samples, step)
             ctx, finals = needed_rows(packed)
             if (len(ctx), len(finals)) != (got.captured.shape[0], got.final_hidden.shape[0]):
                 raise RuntimeError(f"channel: target sent {got.captured.shape[0]}/{got.final_hidden.shape[0]} rows, the"

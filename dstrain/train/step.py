@@ -96,6 +96,12 @@ class DraftStep(torch.nn.Module):
         return draft_losses(self.drafter, lm_head, packed, feats, loss_cfg)
 
 
+def pack_step(recipe, samples: list[Sample], step: int) -> PackedBlocks:
+    """The packing of one training step's micro-batch: what both sides of a disaggregated run compute alike."""
+    return pack_samples(samples, recipe.drafter.block_size, recipe.anchors.per_sequence, recipe.drafter.sliding_window,
+                        recipe.run.seed, step)
+
+
 def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats: TargetFeatures, loss_cfg,
                  vocab_chunk: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
     """Position-weighted loss sums (see losses.drafter_loss_sums), the per-position TV [N, γ], and the DraftOutput."""

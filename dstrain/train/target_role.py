@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from dstrain.channel import Sender, needed_rows, recv_resume
-from dstrain.train.step import pack_samples, padded_batch
+from dstrain.train.step import pack_step, padded_batch
 
 
 def stage_of_layer(num_layers: int, pp: int, layer: int) -> int:
@@ -59,8 +59,7 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
             for mb in range(r.train.grad_accum):
                 for j in served:
                     samples = [next(streams[j]) for _ in range(r.train.micro_batch_size)]
-                    packed = pack_samples(samples, r.drafter.block_size, r.anchors.per_sequence, r.drafter.sliding_window,
-                                          r.run.seed, step)
+                    packed = pack_step(r, samples, step)
                     ctx, finals = needed_rows(packed)
                     ids, att, lengths = padded_batch(samples)
                     out = target(ids, att)
