@@ -42,6 +42,17 @@ class TargetBackend(Protocol):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput: ...
 
 
+def resolve_capture_layers(name: str, num_layers: int, capture_layers: list[int] | None, num_capture: int) -> list[int]:
+    """The recipe's capture layers (or the evenly spaced default), checked against the target's depth."""
+    from dstrain.errors import UserError
+
+    layers = capture_layers if capture_layers is not None else default_capture_layers(num_layers, num_capture)
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise UserError(f"target.capture_layers {bad} out of range: {name} has layers 0..{num_layers - 1}")
+    return list(layers)
+
+
 def default_capture_layers(num_layers: int, count: int) -> list[int]:
     """Evenly spread layers from shallow to deep, as DFlash/Eagle3 fuse low, mid and high features.
 

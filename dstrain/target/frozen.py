@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dstrain.errors import UserError
-from dstrain.target.base import default_capture_layers
+from dstrain.target.base import resolve_capture_layers
 from dstrain.target.hf import DTYPES
 
 EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "model.embed.weight")
@@ -75,5 +75,5 @@ def load_frozen_parts(target_cfg, seed: int) -> FrozenParts:
     embedding = nn.Embedding.from_pretrained(embed.to(dtype), freeze=True)
     lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, dtype=dtype).requires_grad_(False)
     lm_head.weight = embedding.weight if head is None else nn.Parameter(head.to(dtype), requires_grad=False)
-    layers = target_cfg.capture_layers or default_capture_layers(config.num_hidden_layers, target_cfg.num_capture)
-    return FrozenParts(config, embedding, lm_head, list(layers))
+    layers = resolve_capture_layers(target_cfg.name, config.num_hidden_layers, target_cfg.capture_layers, target_cfg.num_capture)
+    return FrozenParts(config, embedding, lm_head, layers)

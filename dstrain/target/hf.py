@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dstrain.errors import UserError
-from dstrain.target.base import TargetOutput, default_capture_layers
+from dstrain.target.base import TargetOutput, resolve_capture_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,11 +33,7 @@ class HFTarget:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
-        layers = capture_layers if capture_layers is not None else default_capture_layers(self.num_layers, num_capture)
-        bad = [i for i in layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise UserError(f"target.capture_layers {bad} out of range: {name} has layers 0..{self.num_layers - 1}")
-        self.capture_layers = list(layers)
+        self.capture_layers = resolve_capture_layers(name, self.num_layers, capture_layers, num_capture)
         self._base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self._hc_head = getattr(self._base, "hc_head", None)
 

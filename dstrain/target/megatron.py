@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dstrain.errors import UserError
-from dstrain.target.base import TargetOutput, default_capture_layers
+from dstrain.target.base import TargetOutput, resolve_capture_layers
 from dstrain.target.hf import DTYPES
 
 
@@ -40,11 +40,7 @@ class MegatronTarget:
         cfg = hf_model.config
         self.name, self.hidden_size, self.vocab_size = name, cfg.hidden_size, cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
-        layers = capture_layers if capture_layers is not None else default_capture_layers(self.num_layers, num_capture)
-        bad = [i for i in layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise UserError(f"target.capture_layers {bad} out of range: {name} has layers 0..{self.num_layers - 1}")
-        self.capture_layers = list(layers)
+        self.capture_layers = resolve_capture_layers(name, self.num_layers, capture_layers, num_capture)
         tp, pp, ep = groups.tp.size(), groups.pp.size(), groups.ep.size()
         mw.check_layout(cfg, tp, pp, ep)
         self.tp_rank, self.stage, self.stages = groups.tp.rank(), groups.pp.rank(), pp
