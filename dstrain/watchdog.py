@@ -16,6 +16,7 @@ looking for the rank that actually stopped responding before they report.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -59,8 +60,19 @@ def start_watchdog(world, run_dir=None) -> None:
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
-    threading.Thread(target=_watch, args=(world.rank, world.world_size, timeout, describe), daemon=True,
-                     name="dstrain-watchdog").start()
+    thread = threading.Thread(target=_watch, args=(world.rank, world.world_size, timeout, describe), daemon=True,
+                              name="dstrain-watchdog")
+    _STATE.update(stop=threading.Event(), thread=thread)
+    thread.start()
+    atexit.register(stop_watchdog)
+
+
+def stop_watchdog() -> None:
+    """Join the watcher before the interpreter shuts down: a daemon thread frozen inside a store call during
+    finalisation aborts the process ("terminate called without an active exception") after a clean run."""
+    if _STATE.get("thread") is not None:
+        _STATE["stop"].set()
+        _STATE["thread"].join(timeout=15)
 
 
 def record_failure(message: str) -> None:
@@ -100,8 +112,7 @@ def _watch(rank: int, size: int, timeout: float, describe) -> None:
     peers = [(rank + k) % size for k in range(1, min(WATCHED, size - 1) + 1)]
     seen = {r: (-1, time.monotonic()) for r in peers}
     signalled_since = None
-    while True:
-        time.sleep(1.0)
+    while not _STATE["stop"].wait(1.0):
         try:
             store.add(f"hb/{rank}", 1)
             verdict = store.get("abort").decode() if store.check(["abort"]) else ""
