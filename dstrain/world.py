@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -139,7 +139,6 @@ class World:
     drafter_group: object = None  # DeepSpeed's data-parallel group (WORLD when colocated)
     mpu: DrafterMPU | None = None
     target_groups: object = None  # megatron ProcessGroupCollection on target ranks
-    extra: dict = field(default_factory=dict)
 
     @property
     def role(self) -> str:
