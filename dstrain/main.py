@@ -85,13 +85,13 @@ def train(recipe) -> int:
         mark_done()
         return code
     if world.role == "drafter":
-        from dstrain.target.frozen import load_frozen_parts
+        from dstrain.targets.frozen import load_frozen_parts
 
         frozen = load_frozen_parts(recipe.target, recipe.run.seed)
         source = channel_source(recipe, world, frozen)
     else:
-        from dstrain.target import load_target
-        from dstrain.target.frozen import from_target
+        from dstrain.targets import load_target
+        from dstrain.targets.frozen import from_target
         from dstrain.train.step import FeatureCache
 
         target = load_target(recipe.target, seed=recipe.run.seed)
@@ -110,7 +110,7 @@ def train(recipe) -> int:
 def make_loader(recipe, rank: int, world: int):
     """Drafter data-parallel rank `rank` of `world`'s shard of the data (read wherever the target runs)."""
     from dstrain.data.loader import ShardLoader
-    from dstrain.target import target_folder
+    from dstrain.targets import target_folder
 
     fingerprint = None
     folder = target_folder(recipe.target)

@@ -16,8 +16,8 @@ from dstrain.errors import UserError
 from dstrain.models.contract import spec_from_config
 from dstrain.models.registry import build_drafter
 from dstrain.recipe import Recipe
-from dstrain.target.base import default_capture_layers
-from dstrain.target.configs import TargetSizes, resolve_config, size_target
+from dstrain.targets.base import default_capture_layers
+from dstrain.targets.configs import TargetSizes, resolve_config, size_target
 
 GiB = 1024**3
 BYTES = {"float32": 4, "bfloat16": 2, "fp32": 4, "bf16": 2}
@@ -98,7 +98,7 @@ def build_plan(recipe: Recipe) -> Plan:
 
     layout_of(recipe.world)  # drafter count vs replicas
     if recipe.target.backend == "megatron":
-        from dstrain.target.megatron_weights import check_layout as check_megatron
+        from dstrain.targets.megatron_weights import check_layout as check_megatron
 
         t = recipe.world.target
         check_megatron(cfg, t.tp, t.pp, t.ep)

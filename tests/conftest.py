@@ -31,7 +31,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def smol_dir():
     """SmolLM2-135M-Instruct converted to a HF folder (once per machine; ~40 s the first time)."""
-    from dstrain.target import smollm2
+    from dstrain.targets import smollm2
 
     return smollm2.dense_folder()
 

@@ -49,7 +49,7 @@ def test_streamed_rows_index_exactly_like_the_full_features():
 
 PATCH_CHECKS = r"""
 import json, numpy as np, torch
-from dstrain.target import cpu_compat
+from dstrain.targets import cpu_compat
 applied = cpu_compat.apply()
 out = {"applied": applied}
 out["cuda_streams"] = torch.cuda.Stream() is torch.cuda.current_stream() and torch.cuda.current_device() == "cpu"
@@ -84,7 +84,7 @@ def test_each_megatron_cpu_patch_does_its_one_job():
     proc = subprocess.run([sys.executable, "-c", PATCH_CHECKS], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    from dstrain.target.cpu_compat import PATCHES
+    from dstrain.targets.cpu_compat import PATCHES
 
     assert out.pop("applied") == list(PATCHES)
     assert out == {name: True for name in PATCHES}

@@ -72,7 +72,7 @@ def test_megatron_target_equals_hf_at_tp2_pp2_ep2():
     """Captured layers and final pre-LM-head states of six families, sharded TP=2 × PP=2 (EP=2 for MoE)."""
     proc = torchrun(4, "tests/dist/megatron_parity.py", timeout=300)
     report = json.loads(proc.stdout.split("PARITY ", 1)[1].splitlines()[0])
-    from dstrain.target.cpu_compat import PATCHES
+    from dstrain.targets.cpu_compat import PATCHES
 
     assert report.pop("patches") == list(PATCHES)
     assert set(report) == {"mixtral", "qwen3_moe", "qwen3_moe_presoftmax", "llama", "qwen2", "qwen3"}

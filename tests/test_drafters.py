@@ -8,7 +8,7 @@ from dstrain.data.loader import Sample
 from dstrain.models.contract import TargetSpec
 from dstrain.models.registry import build_drafter
 from dstrain.recipe import load_recipe
-from dstrain.target import load_target
+from dstrain.targets import load_target
 from dstrain.train.step import draft_losses, pack_samples, target_features
 
 

@@ -16,7 +16,7 @@ from dstrain.recipe import load_recipe
 from dstrain.scheduler import schedule
 from dstrain.spec.decode import LengthPolicy, SpecDecoder
 from dstrain.spec.sampling import verify
-from dstrain.target import load_target
+from dstrain.targets import load_target
 
 VOCAB = 16
 PROMPT = [3, 1, 4, 1, 5, 9]

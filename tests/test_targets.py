@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from dstrain.errors import UserError
-from dstrain.target import TargetBackend, load_target
-from dstrain.target.configs import config_from_dict, size_target
-from dstrain.target.hf import HFTarget, random_model
+from dstrain.targets import TargetBackend, load_target
+from dstrain.targets.configs import config_from_dict, size_target
+from dstrain.targets.hf import HFTarget, random_model
 from tiny_configs import TINY
 
 

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dstrain.errors import UserError
-from dstrain.target.upcycle import upcycle, upcycled_config
+from dstrain.targets.upcycle import upcycle, upcycled_config
 
 
 def tiny_llama():

@@ -49,7 +49,7 @@ def chat_sample(length: int, answer_share: float, key: str, gen: torch.Generator
 
 def measure(recipe_path: str, sequences: int, answer_share: float) -> dict:
     from dstrain.recipe import load_recipe
-    from dstrain.target.configs import resolve_config
+    from dstrain.targets.configs import resolve_config
 
     r = load_recipe(recipe_path, [])
     cfg, _ = resolve_config(r.target)

@@ -37,7 +37,7 @@ def main() -> int:
     from dstrain.data.shards import build_shards
     from dstrain.data.tokenize import TokenizeConfig
     from dstrain.recipe import load_recipe
-    from dstrain.target import target_folder
+    from dstrain.targets import target_folder
 
     recipe = load_recipe(args.recipe)
     shards = Path(recipe.data.shards)

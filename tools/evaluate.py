@@ -50,7 +50,7 @@ def load_candidates(specs: list[str], recipe: str | None, gamma: int | None):
     for spec in specs:
         name, _, path = spec.rpartition("=")
         arts.append(artifacts.read_artifact(path, name or None, recipe))
-    from dstrain.target.hf import HFTarget
+    from dstrain.targets.hf import HFTarget
 
     target = artifacts.load_target_for(arts[0])
     cands = []

@@ -34,7 +34,7 @@ def main() -> int:
     max_length, folder, name = args.max_length, args.tokenizer, args.target_name
     if args.recipe:
         from dstrain.recipe import load_recipe
-        from dstrain.target import target_folder
+        from dstrain.targets import target_folder
 
         recipe = load_recipe(args.recipe)
         folder = folder or target_folder(recipe.target)

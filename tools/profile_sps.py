@@ -34,7 +34,7 @@ def main() -> int:
 
     from dstrain import sps as S
     from dstrain.recipe import load_recipe
-    from dstrain.target import load_target
+    from dstrain.targets import load_target
 
     recipe = load_recipe(args.recipe)
     target = load_target(recipe.target, seed=recipe.run.seed)

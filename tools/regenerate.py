@@ -50,7 +50,7 @@ def main() -> int:
         folder, dtype = args.target_dir, "float32"
         if args.recipe:
             from dstrain.recipe import load_recipe
-            from dstrain.target import target_folder
+            from dstrain.targets import target_folder
 
             recipe = load_recipe(args.recipe)
             folder, dtype, name = target_folder(recipe.target), recipe.target.dtype, name or recipe.target.name

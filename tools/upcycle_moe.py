@@ -29,8 +29,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dstrain.target import smollm2
-    from dstrain.target.upcycle import upcycle
+    from dstrain.targets import smollm2
+    from dstrain.targets.upcycle import upcycle
 
     if args.recipe:
         from dstrain.recipe import load_recipe

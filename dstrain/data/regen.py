@@ -41,7 +41,7 @@ class HFGenerator:
         import torch
         from transformers import AutoTokenizer
 
-        from dstrain.target.hf import load_hf_model
+        from dstrain.targets.hf import load_hf_model
 
         self.model = load_hf_model(folder, dtype).eval()
         self.tok = AutoTokenizer.from_pretrained(folder)

@@ -111,7 +111,7 @@ def run_artifact(folder: Path, recipe_tree: dict, tag: str, name: str) -> Drafte
 
 def load_target_for(artifact: DrafterArtifact):
     from dstrain.recipe import TargetConfig
-    from dstrain.target import load_target
+    from dstrain.targets import load_target
 
     return load_target(TargetConfig(**artifact.target_cfg), seed=artifact.target_seed)
 

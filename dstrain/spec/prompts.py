@@ -109,7 +109,7 @@ def end_of_turn_ids(tokenizer) -> set[int]:
 def load_tokenizer(target_cfg: dict):
     """The target's tokenizer, or None for targets without one (random test targets: prompts as input_ids)."""
     from dstrain.recipe import TargetConfig
-    from dstrain.target import target_folder
+    from dstrain.targets import target_folder
 
     folder = target_folder(TargetConfig(**target_cfg))
     if folder is None:

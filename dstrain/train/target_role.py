@@ -22,10 +22,10 @@ def stage_of_layer(num_layers: int, pp: int, layer: int) -> int:
 def load_role_target(recipe, world):
     """megatron (any tp/pp/ep) or HF (one rank per replica) on this target rank."""
     if recipe.target.backend == "megatron":
-        from dstrain.target.megatron import load_megatron_target
+        from dstrain.targets.megatron import load_megatron_target
 
         return load_megatron_target(recipe.target, world.target_groups, recipe.run.seed)
-    from dstrain.target import load_target
+    from dstrain.targets import load_target
 
     return load_target(recipe.target, seed=recipe.run.seed)
 

@@ -16,9 +16,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tiny_configs import COMMON, TINY  # noqa: E402
 
-from dstrain.target import cpu_compat  # noqa: E402
-from dstrain.target.hf import HFTarget, random_model  # noqa: E402
-from dstrain.target.megatron import MegatronTarget  # noqa: E402
+from dstrain.targets import cpu_compat  # noqa: E402
+from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
+from dstrain.targets.megatron import MegatronTarget  # noqa: E402
 from dstrain.world import Layout, target_process_groups  # noqa: E402
 
 FAMILIES = {

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dstrain.errors import UserError
-from dstrain.target.base import TargetOutput, resolve_capture_layers
+from dstrain.targets.base import TargetOutput, resolve_capture_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -94,7 +94,7 @@ def random_model(hf_config: dict, seed: int, dtype: str = "float32") -> nn.Modul
     """A randomly initialised model from config kwargs (tiny CI targets)."""
     from transformers import AutoModelForCausalLM
 
-    from dstrain.target.configs import config_from_dict
+    from dstrain.targets.configs import config_from_dict
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config_from_dict(hf_config)).to(DTYPES[dtype])

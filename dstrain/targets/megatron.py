@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from dstrain.errors import UserError
-from dstrain.target.base import TargetOutput, resolve_capture_layers
-from dstrain.target.hf import DTYPES
+from dstrain.targets.base import TargetOutput, resolve_capture_layers
+from dstrain.targets.hf import DTYPES
 
 
 class _StopAtFinalNorm(Exception):
@@ -33,8 +33,8 @@ class MegatronTarget:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-        from dstrain.target import cpu_compat
-        from dstrain.target import megatron_weights as mw
+        from dstrain.targets import cpu_compat
+        from dstrain.targets import megatron_weights as mw
 
         cpu_compat.apply()
         cfg = hf_model.config
@@ -112,8 +112,8 @@ class MegatronTarget:
 
 def load_megatron_target(target_cfg, groups, seed: int):
     """Load the HF checkpoint (or random tiny config) on this target rank and shard it for megatron."""
-    from dstrain.target import target_folder
-    from dstrain.target.hf import load_hf_model, random_model
+    from dstrain.targets import target_folder
+    from dstrain.targets.hf import load_hf_model, random_model
 
     if target_cfg.source == "random":
         hf = random_model(target_cfg.hf_config, seed, "float32")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dstrain.target.base import TargetBackend, TargetOutput, default_capture_layers
+from dstrain.targets.base import TargetBackend, TargetOutput, default_capture_layers
 
 __all__ = ["TargetBackend", "TargetOutput", "default_capture_layers", "load_target", "target_folder"]
 
@@ -12,7 +12,7 @@ def target_folder(target) -> str | None:
     if target.source == "path":
         return target.path
     if target.source == "smollm2_moe":
-        from dstrain.target import smollm2
+        from dstrain.targets import smollm2
 
         up = target.upcycle
         return str(smollm2.moe_folder(up.num_experts, up.top_k, up.expert_noise, up.seed))
@@ -22,7 +22,7 @@ def target_folder(target) -> str | None:
 def load_target(target, seed: int = 0) -> TargetBackend:
     """Build the frozen target a recipe's `target` section describes."""
     from dstrain.errors import UserError
-    from dstrain.target.hf import HFTarget, load_hf_model, random_model
+    from dstrain.targets.hf import HFTarget, load_hf_model, random_model
 
     if target.backend != "hf":
         raise UserError(f"target.backend={target.backend} shards the target over its own ranks: set world.mode=disaggregated"

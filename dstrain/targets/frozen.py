@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from dstrain.errors import UserError
-from dstrain.target.base import resolve_capture_layers
-from dstrain.target.hf import DTYPES
+from dstrain.targets.base import resolve_capture_layers
+from dstrain.targets.hf import DTYPES
 
 EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "model.embed.weight")
 HEAD_KEYS = ("lm_head.weight", "head.weight")
@@ -53,11 +53,11 @@ def _read(folder: Path, keys: tuple[str, ...]) -> torch.Tensor | None:
 
 
 def load_frozen_parts(target_cfg, seed: int) -> FrozenParts:
-    from dstrain.target import target_folder
+    from dstrain.targets import target_folder
 
     dtype = DTYPES[target_cfg.dtype]
     if target_cfg.source == "random":
-        from dstrain.target.hf import HFTarget, random_model
+        from dstrain.targets.hf import HFTarget, random_model
 
         return from_target(HFTarget(random_model(target_cfg.hf_config, seed, target_cfg.dtype), target_cfg.name,
                                     target_cfg.capture_layers, target_cfg.num_capture))

