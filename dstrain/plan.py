@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from dstrain.errors import UserError
-from dstrain.models.contract import spec_from_config
-from dstrain.models.registry import build_drafter
+from dstrain.flops import StepFlops, balance_verdict, meta_drafter, step_flops
 from dstrain.recipe import Recipe
 from dstrain.targets.base import default_capture_layers
 from dstrain.targets.configs import TargetSizes, resolve_config, size_target
@@ -31,6 +28,7 @@ class Plan:
     capture_layers: list[int]
     drafter_params: int
     memory: dict[str, dict[str, float]]
+    flops: StepFlops
 
 
 def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
@@ -43,16 +41,6 @@ def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
         raise UserError(f"world.target.tp={t.tp} does not divide the target's {sizes.num_heads} attention heads")
     if sizes.num_layers % t.pp:
         raise UserError(f"world.target.pp={t.pp} does not divide the target's {sizes.num_layers} layers")
-
-
-def drafter_param_count(recipe: Recipe, cfg, num_capture: int) -> int:
-    """Exact trainable drafter parameters: the drafter is built on the meta device (no memory, no weights).
-    The embedding and LM head are the target's, frozen, and not counted."""
-    spec = spec_from_config(cfg, num_capture)
-    with torch.device("meta"):
-        embedding = torch.nn.Embedding(spec.vocab_size, spec.hidden_size)
-        drafter = build_drafter(recipe.drafter, spec, embedding)
-    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
 def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: int) -> dict[str, dict[str, float]]:
@@ -106,8 +94,10 @@ def build_plan(recipe: Recipe) -> Plan:
     bad = [i for i in capture if not 0 <= i < sizes.num_layers]
     if bad:
         raise UserError(f"target.capture_layers {bad} out of range: the target has layers 0..{sizes.num_layers - 1}")
-    dparams = drafter_param_count(recipe, cfg, len(capture))
-    return Plan(recipe, source, sizes, list(capture), dparams, memory_estimate(recipe, sizes, dparams, len(capture)))
+    drafter = meta_drafter(recipe, cfg, len(capture))
+    dparams = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    return Plan(recipe, source, sizes, list(capture), dparams, memory_estimate(recipe, sizes, dparams, len(capture)),
+                step_flops(recipe, cfg, sizes, drafter))
 
 
 def _n(x: float) -> str:
@@ -151,6 +141,19 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     add(f"  data     shards={r.data.shards} max_length={r.data.max_length} anchors/seq={r.anchors.per_sequence} shuffle={r.data.shuffle}")
     add(f"  train    {r.train.steps} steps x micro-batch {r.train.micro_batch_size} x accum {r.train.grad_accum}; lr {r.train.lr:g}"
         f" (warmup {r.train.warmup_steps}, cosine to {r.train.min_lr:g}); clip {r.train.clip_grad}; ckpt every {r.train.checkpoint_every} keep {r.train.keep_checkpoints}")
+    f = plan.flops
+    add(f"  work     target forward {_n(f.target_per_token)}FLOP/token ({_n(f.target_per_sequence)}FLOP per {r.data.max_length}-token sequence);"
+        f" drafter step {_n(f.drafter_per_position)}FLOP per supervised position x {f.positions_per_sequence} per sequence"
+        f" = {_n(f.drafter_per_sequence)}FLOP")
+    add("           drafter FLOP/position: " + ", ".join(f"{k} {v / f.drafter_per_position:.0%}" for k, v in f.parts.items()))
+    if w.mode == "disaggregated":
+        line, warning = balance_verdict(f, t.tp * t.pp * t.dp, w.drafter_ranks)
+        add(f"  balance  {line}")
+        if warning:
+            add(f"           {warning}")
+    else:
+        add(f"  balance  colocated: each rank spends {f.target_per_sequence / (f.target_per_sequence + f.drafter_per_sequence):.0%}"
+            " of its step FLOPs on the target forward")
     add("  memory per rank (estimate):")
     for role, parts in plan.memory.items():
         total = sum(parts.values())

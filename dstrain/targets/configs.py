@@ -61,6 +61,7 @@ class TargetSizes:
     num_heads: int
     num_kv_heads: int
     tied_embeddings: bool
+    vector_params: int = 0  # norms, biases, gates' score biases: no matmul FLOPs
 
 
 def num_experts_of(cfg) -> int:
@@ -78,13 +79,14 @@ def size_target(cfg) -> TargetSizes:
         model = AutoModelForCausalLM.from_config(cfg)
     experts = num_experts_of(cfg)
     topk = getattr(cfg, "num_experts_per_tok", 0) or 0
-    total = expert = embed = 0
+    total = expert = embed = vector = 0
     seen = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
         seen.add(id(p))
         total += p.numel()
+        vector += p.numel() if p.dim() < 2 else 0
         if ".experts." in name or name.endswith(".experts"):
             expert += p.numel()
         if "embed_tokens" in name or name.startswith("lm_head"):
@@ -95,5 +97,5 @@ def size_target(cfg) -> TargetSizes:
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
         num_experts=experts, experts_per_token=topk, num_heads=cfg.num_attention_heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), vector_params=vector,
     )

@@ -1,0 +1,128 @@
+"""Work per step on each side of the channel, and the target:drafter rank ratio that balances them.
+
+Counted as matmul FLOPs (2 per multiply-add), the way MFU is counted:
+- target, per token of a training sequence: every active weight matrix outside the embedding and the LM
+  head (the LM head runs on the drafter side; norms and biases are not matmuls), plus attention scores and values over the causal context
+  (capped by a sliding window where the target has one);
+- drafter, per supervised position (anchors x block size): forward and backward (3x) of the drafter's
+  trainable layers on its block tokens, of the context fusion and context k/v projections on the
+  deduplicated context rows, of block attention over window + block keys; the three d x V vocabulary
+  GEMMs of DESIGN §6 (target logits, draft logits, their backward into the hidden state: no weight
+  gradient, the LM head is frozen) and the Markov head's r x V GEMM (forward, input and weight grads).
+The balancing ratio assumes both sides sustain the same FLOP/s per rank; the plan says so where it prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepFlops:
+    target_per_token: float
+    target_per_sequence: float
+    drafter_per_position: float
+    drafter_per_sequence: float
+    positions_per_sequence: int
+    parts: dict[str, float]  # drafter FLOPs per supervised position by kind
+
+    @property
+    def balanced_ratio(self) -> float:
+        """Target ranks per drafter rank at which neither side waits (equal FLOP/s per rank)."""
+        return self.target_per_sequence / max(self.drafter_per_sequence, 1.0)
+
+
+def mean_context(seq: int, window: int | None) -> float:
+    """Average number of keys a causal query sees over positions 1..seq (window-capped)."""
+    if not window or window >= seq:
+        return (seq + 1) / 2
+    return (window * (window + 1) / 2 + (seq - window) * window) / seq
+
+
+def attention_dims(cfg) -> tuple[int, int, int]:
+    """(heads, q·k width, value width) per head; MLA widths where the config has them."""
+    heads = cfg.num_attention_heads
+    nope, rope = getattr(cfg, "qk_nope_head_dim", None), getattr(cfg, "qk_rope_head_dim", None)
+    if nope and rope:
+        return heads, nope + rope, getattr(cfg, "v_head_dim", nope)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return heads, hd, hd
+
+
+def target_flops_per_token(cfg, sizes, seq: int) -> float:
+    heads, qk, v = attention_dims(cfg)
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    weights = 2 * (sizes.active_params - sizes.embed_params - sizes.vector_params)
+    return weights + cfg.num_hidden_layers * 2 * mean_context(seq, window) * heads * (qk + v)
+
+
+def _drafter_groups(drafter, num_experts: int, top_k: int) -> tuple[float, float, float]:
+    """(per block-token weights, per context-row weights, Markov W2 numel) of a drafter built on meta."""
+    token = ctx = w2 = 0.0
+    for name, p in drafter.named_parameters():
+        if not p.requires_grad:
+            continue
+        n = float(p.numel())
+        if name.startswith("fuse."):
+            ctx += n
+        elif name.endswith((".k_proj.weight", ".v_proj.weight")):  # each layer projects context rows and block tokens
+            ctx += n
+            token += n
+        elif name.endswith("seq_head.w2") or name.endswith("seq_w2"):
+            w2 += n
+        elif "seq_head.w1" in name:  # an embedding lookup: no FLOPs
+            continue
+        elif ".ffn.w_" in name and num_experts:
+            token += n * top_k / num_experts
+        elif p.dim() >= 2:
+            token += n
+    return token, ctx, w2
+
+
+def step_flops(recipe, cfg, sizes, drafter) -> StepFlops:
+    seq, d, vocab = recipe.data.max_length, sizes.hidden_size, sizes.vocab_size
+    dr = recipe.drafter
+    gamma, window, anchors = dr.block_size, dr.sliding_window, min(recipe.anchors.per_sequence, seq)
+    positions = anchors * gamma
+    ctx_rows = min(seq, anchors * (window or seq))  # deduplicated rows the drafter projects per sequence
+    experts = dr.ffn.num_experts if dr.ffn.type == "moe" else 0
+    token_w, ctx_w, w2 = _drafter_groups(drafter, experts, dr.ffn.top_k)
+    heads = getattr(drafter.layers[0], "heads", 1) if hasattr(drafter, "layers") else 1
+    head_dim = getattr(drafter.layers[0], "head_dim", d // max(heads, 1)) if hasattr(drafter, "layers") else d
+    keys = (min(window, seq) if window else mean_context(seq, None)) + gamma
+    parts = {
+        "vocab GEMMs (3 x d x V)": 3 * 2 * d * vocab,
+        "Markov head (r x V)": 3 * 2 * w2,
+        "drafter layers": 3 * 2 * token_w,
+        "context rows": 3 * 2 * ctx_w * ctx_rows / positions,
+        "block attention": 3 * dr.num_layers * 2 * keys * heads * head_dim * 2,
+    }
+    per_position = sum(parts.values())
+    per_token = target_flops_per_token(cfg, sizes, seq)
+    return StepFlops(per_token, per_token * seq, per_position, per_position * positions, positions, parts)
+
+
+def meta_drafter(recipe, cfg, num_capture: int):
+    from dstrain.models.contract import spec_from_config
+    from dstrain.models.registry import build_drafter
+
+    spec = spec_from_config(cfg, num_capture)
+    with torch.device("meta"):
+        return build_drafter(recipe.drafter, spec, torch.nn.Embedding(spec.vocab_size, spec.hidden_size))
+
+
+def balance_verdict(flops: StepFlops, target_ranks: int, drafter_ranks: int) -> tuple[str, str | None]:
+    """A line on the layout's balance, and a warning when one side waits more than 2x on the other."""
+    have = target_ranks / drafter_ranks
+    want = flops.balanced_ratio
+    line = (f"balanced target:drafter rank ratio {want:.2f}:1 (equal FLOP/s per rank assumed); "
+            f"this layout has {target_ranks}:{drafter_ranks} = {have:.2f}:1")
+    if have < want / 2:
+        return line, (f"WARNING: the target side is {want / have:.1f}x short of ranks: drafter ranks will wait on the "
+                      f"channel; add target replicas (world.target.dp) or use fewer drafter ranks")
+    if have > want * 2:
+        return line, (f"WARNING: the drafter side is {have / want:.1f}x short of ranks: target ranks will wait on "
+                      f"back-pressure; add drafter ranks (world.drafter_ranks) or use fewer target replicas")
+    return line, None
