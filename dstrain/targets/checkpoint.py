@@ -1,0 +1,326 @@
+"""Read one rank's slices straight from a checkpoint's safetensors shards: exact byte ranges, bounded memory.
+
+The safetensors headers (8-byte little-endian length + JSON: dtype, shape, data_offsets) are parsed here,
+and tensor bytes are fetched with positioned reads into preallocated buffers — no mmap of whole files,
+no safe_open.get_tensor — so a rank's resident memory grows by its own parameters plus one bounded
+chunk, and `bytes_read` counts exactly what left the disk.
+
+- A whole tensor or a dim-0 slice is one contiguous byte range; when the destination already has the
+  on-disk dtype it is read straight into the destination's memory.
+- A slice along a later dim (tensor-parallel columns) streams whole rows in chunks of ≤ `chunk_bytes` and
+  keeps the owned columns: the rest of each row is read too (counted in `bytes_read` and `disk_bytes`).
+- Block-quantised FP8 (DeepSeek: `X.weight` float8_e4m3fn with `X.weight_scale_inv` fp32 — or `X.scale`,
+  ue8m0, as DeepSeek-V4-Flash ships it) is dequantised slice by slice: value × the scale of its
+  (row // b0, col // b1) block, computed in fp32 as transformers does, then cast. Only the scale rows or
+  columns covering the slice are read. FP4-packed experts (`expert_dtype: fp4`: two e2m1 per int8 byte)
+  are unpacked the same way. A weight is dequantised iff its shard holds a scale companion, so
+  `modules_to_not_convert` needs no handling here: those weights are simply stored unquantised.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dstrain.errors import UserError
+from dstrain.targets.shard_plan import Read
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+SCALE_SUFFIXES = (".weight_scale_inv", ".scale")  # transformers renames V4-Flash's `.scale` to the former
+QUANT_METHODS = ("fp8",)
+FP4_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+@dataclass(frozen=True)
+class Entry:
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def esize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _pread(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise OSError(f"short read at byte {offset}")
+        view, offset = view[n:], offset + n
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+class CheckpointReader:
+    """Slices of one checkpoint folder, cast to `dtype` (integer and bool tensors keep theirs)."""
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32, chunk_bytes: int = 32 << 20):
+        self.folder, self.dtype, self.chunk_bytes = Path(folder), dtype, chunk_bytes
+        self.bytes_read = 0
+        self._fds: dict[str, int] = {}
+        self._headers: dict[str, dict[str, Entry]] = {}
+        self.quant = self._quant_config()
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            self._where = dict(json.loads(index.read_text())["weight_map"])
+        elif (self.folder / "model.safetensors").is_file():
+            self._where = {k: "model.safetensors" for k in self._header("model.safetensors")}
+        else:
+            raise UserError(f"checkpoint {self.folder}: no model.safetensors.index.json or model.safetensors there")
+
+    def _quant_config(self) -> dict:
+        path = self.folder / "config.json"
+        q = (json.loads(path.read_text()).get("quantization_config") if path.is_file() else None) or {}
+        method = q.get("quant_method")
+        if q and method not in QUANT_METHODS:
+            raise UserError(f"checkpoint {self.folder}: quantization_config.quant_method={method!r} is not supported "
+                            f"(readable: {', '.join(QUANT_METHODS)} with block scales); dequantise it first")
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise UserError(f"checkpoint {self.folder}: fp8 fmt={q['fmt']!r} is not supported (e4m3 only)")
+        return q
+
+    # -- headers -------------------------------------------------------------------------------------------
+    def _header(self, name: str) -> dict[str, Entry]:
+        if name not in self._headers:
+            path = self.folder / name
+            if not path.is_file():
+                raise UserError(f"checkpoint {self.folder}: shard {name} is missing (listed in its index)")
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                try:
+                    raw = json.loads(f.read(n))
+                except ValueError:
+                    raise UserError(f"checkpoint {self.folder}: {name} has an unreadable safetensors header") from None
+            entries = {}
+            for key, v in raw.items():
+                if key == "__metadata__":
+                    continue
+                if v["dtype"] not in DTYPES:
+                    raise UserError(f"checkpoint {self.folder}: {key} has dtype {v['dtype']}, not readable here")
+                a, b = v["data_offsets"]
+                entries[key] = Entry(name, DTYPES[v["dtype"]], tuple(v["shape"]), 8 + n + a, 8 + n + b)
+            self._headers[name] = entries
+        return self._headers[name]
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def entry(self, key: str) -> Entry:
+        if key not in self._where:
+            raise UserError(f"checkpoint {self.folder}: no tensor {key} (wrong family mapping or an incomplete checkpoint)")
+        entry = self._header(self._where[key]).get(key)
+        if entry is None:
+            raise UserError(f"checkpoint {self.folder}: {key} is listed in the index but absent from {self._where[key]}")
+        return entry
+
+    def _scale(self, key: str) -> Entry | None:
+        if not key.endswith(".weight"):
+            return None
+        base = key[: -len(".weight")]
+        for suffix in SCALE_SUFFIXES:
+            if base + suffix in self._where:
+                return self.entry(base + suffix)
+        return None
+
+    def _fp4(self, e: Entry, r: Read) -> bool:
+        return e.dtype in (torch.int8, torch.uint8) and len(r.shape) == 2 and r.shape[1] == 2 * e.shape[1]
+
+    def _checked(self, r: Read) -> tuple[Entry, Entry | None, tuple[int, int] | None]:
+        """(weight entry, scale entry, block) after checking the Read against the file."""
+        e, s = self.entry(r.key), self._scale(r.key)
+        logical = (e.shape[0], 2 * e.shape[1]) if s is not None and self._fp4(e, r) else e.shape
+        if tuple(r.shape) != logical:
+            raise UserError(f"checkpoint {self.folder}: {r.key} has shape {list(logical)} on disk but the config implies "
+                            f"{list(r.shape)}")
+        if s is None:
+            if e.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise UserError(f"checkpoint {self.folder}: {r.key} is stored as {e.dtype} with no weight_scale_inv")
+            return e, None, None
+        if len(logical) != 2:
+            raise UserError(f"checkpoint {self.folder}: {r.key} is quantised with {len(logical)} dims; only 2-D weights are read")
+        (R, C), grid = logical, s.shape
+        b0, b1 = self.quant.get("weight_block_size") or (128, 128)
+        if math.prod(grid) == 1:
+            block = (R, C)  # one per-tensor scale
+        elif tuple(grid) == (-(-R // b0), -(-C // b1)):
+            block = (b0, b1)
+        elif len(grid) == 2 and R % grid[0] == 0 and C % grid[1] == 0:  # e.g. FP4 experts' [1, 32] blocks
+            block = (R // grid[0], C // grid[1])
+        else:
+            raise UserError(f"checkpoint {self.folder}: scale grid {list(grid)} of {r.key} does not fit its shape "
+                            f"{list(logical)} with weight_block_size {[b0, b1]}")
+        return e, s, block
+
+    # -- planning --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _span(e: Entry, dim: int | None, start: int, stop: int) -> int:
+        """Bytes a slice costs: the exact range for a whole/dim-0 slice, the whole tensor for a later dim."""
+        if dim is None or dim > 0 or not e.shape:
+            return e.end - e.begin
+        return (stop - start) * (e.end - e.begin) // e.shape[0]
+
+    def _scale_read(self, r: Read, s: Entry, block: tuple[int, int]) -> Read:
+        if r.dim is None or math.prod(s.shape) == 1:
+            return Read(r.key + ":scale", s.shape)
+        b = block[r.dim]
+        return Read(r.key + ":scale", s.shape, r.dim, r.start // b, -(-r.stop // b))
+
+    def disk_bytes(self, r: Read) -> int:
+        """What `read(r)` will read, computed from the headers alone."""
+        e, s, block = self._checked(r)
+        n = self._span(e, r.dim, r.start, r.stop)
+        if s is not None:
+            sr = self._scale_read(r, s, block)
+            n += self._span(s, sr.dim, sr.start, sr.stop)
+        return n
+
+    def owned_bytes(self, r: Read) -> int:
+        """The slice's own bytes on disk (and its blocks' scales): the least any reader could read."""
+        e, s, block = self._checked(r)
+        per = e.esize / 2 if s is not None and self._fp4(e, r) else e.esize
+        n = int(r.numel * per)
+        if s is not None:
+            sr = self._scale_read(r, s, block)
+            n += sr.numel * s.esize
+        return n
+
+    # -- reading ---------------------------------------------------------------------------------------------
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
+            self._fds[name] = os.open(self.folder / name, os.O_RDONLY)
+        return self._fds[name]
+
+    def _fetch(self, e: Entry, view: memoryview, offset: int) -> None:
+        _pread(self._fd(e.file), view, e.begin + offset)
+        self.bytes_read += len(view)
+
+    def _rows(self, e: Entry, start: int, stop: int, row_bytes: int):
+        """Yield (first row, uint8 buffer) for rows [start, stop) in chunks of ≤ chunk_bytes (≥ 1 row)."""
+        step = max(1, self.chunk_bytes // max(row_bytes, 1))
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            buf = torch.empty((b - a) * row_bytes, dtype=torch.uint8)
+            self._fetch(e, _bytes_of(buf), a * row_bytes)
+            yield a, b, buf
+            del buf
+
+    def _out_dtype(self, e: Entry, quantised: bool) -> torch.dtype:
+        return self.dtype if quantised or e.dtype.is_floating_point else e.dtype
+
+    def read(self, r: Read) -> torch.Tensor:
+        e, s, _ = self._checked(r)
+        out = torch.empty(r.slice_shape, dtype=self._out_dtype(e, s is not None))
+        self.read_into(r, out)
+        return out
+
+    def read_into(self, r: Read, out: torch.Tensor) -> None:
+        """Fill `out` (shape = r.slice_shape, any dtype) with the slice."""
+        e, s, block = self._checked(r)
+        if tuple(out.shape) != r.slice_shape:
+            raise ValueError(f"{r.key}: destination {list(out.shape)} != slice {list(r.slice_shape)}")
+        dest = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+        with torch.no_grad():
+            if s is None:
+                self._plain(e, r, dest)
+            else:
+                self._dequant(e, s, block, r, dest)
+            if dest is not out:
+                out.copy_(dest)
+
+    def _plain(self, e: Entry, r: Read, out: torch.Tensor) -> None:
+        shape, dim = e.shape, r.dim or 0
+        if not shape:
+            out.copy_(self._whole(e).view(e.dtype).reshape(()))
+            return
+        start, stop = (r.start, r.stop) if r.dim is not None else (0, shape[0])
+        if dim == 0:
+            row_bytes = (e.end - e.begin) // shape[0]
+            if out.dtype == e.dtype:  # straight into the destination's memory
+                self._fetch(e, _bytes_of(out), start * row_bytes)
+                return
+            flat = out.view(out.shape[0], -1)
+            for a, b, buf in self._rows(e, start, stop, row_bytes):
+                flat[a - start:b - start].copy_(buf.view(e.dtype).view(b - a, -1))
+            return
+        outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+        unit = shape[dim] * inner * e.esize  # one outer index: a contiguous run holding the owned part
+        target = out.view(outer, stop - start, inner)
+        for a, b, buf in self._rows(e, 0, outer, unit):
+            target[a:b].copy_(buf.view(e.dtype).view(b - a, shape[dim], inner)[:, start:stop])
+
+    def _whole(self, e: Entry) -> torch.Tensor:
+        buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
+        self._fetch(e, _bytes_of(buf), 0)
+        return buf
+
+    def _scales(self, r: Read, s: Entry, block) -> tuple[torch.Tensor, int, int]:
+        """fp32 scales covering the slice, and the block row/column they start at."""
+        sr = self._scale_read(r, s, block)
+        raw = torch.empty(sr.slice_shape, dtype=s.dtype)
+        self._plain(s, sr, raw)
+        vals = (raw.float() - 127.0).exp2() if s.dtype == torch.uint8 else raw.float()  # ue8m0 stored as bytes
+        if math.prod(s.shape) == 1:
+            return vals.reshape(1, 1), 0, 0
+        return vals, (sr.start if sr.dim == 0 else 0), (sr.start if sr.dim == 1 else 0)
+
+    def _decode(self, e: Entry, buf: torch.Tensor, rows: int, fp4: bool) -> torch.Tensor:
+        if fp4:
+            u8 = buf.view(rows, -1)
+            return torch.stack([FP4_LUT[(u8 & 0xF).long()], FP4_LUT[(u8 >> 4).long()]], -1).reshape(rows, -1)
+        return buf.view(e.dtype).view(rows, -1).float()
+
+    def _dequant(self, e: Entry, s: Entry, block, r: Read, out: torch.Tensor) -> None:
+        (R, C), (b0, b1) = r.shape, block
+        fp4 = self._fp4(e, r)
+        scales, sr0, sc0 = self._scales(r, s, block)
+        r0, r1 = (r.start, r.stop) if r.dim == 0 else (0, R)
+        c0, c1 = (r.start, r.stop) if r.dim == 1 else (0, C)
+        row_bytes = (e.end - e.begin) // R
+        step_rows = max(1, self.chunk_bytes // (4 * C))  # bound the fp32 working copy, not only the raw bytes
+        for a in range(r0, r1, step_rows):
+            b = min(r1, a + step_rows)
+            buf = torch.empty((b - a) * row_bytes, dtype=torch.uint8)
+            self._fetch(e, _bytes_of(buf), a * row_bytes)
+            w = self._decode(e, buf, b - a, fp4)[:, c0:c1].contiguous()
+            del buf
+            per_row = scales.index_select(0, torch.arange(a, b) // b0 - sr0) if scales.shape[0] > 1 else scales
+            for j in range(c0 // b1, -(-c1 // b1)):  # one column block at a time: no full-size scale tensor
+                lo, hi = max(c0, j * b1) - c0, min(c1, (j + 1) * b1) - c0
+                col = j - sc0 if scales.shape[1] > 1 else 0
+                w[:, lo:hi].mul_(per_row[:, col:col + 1])
+            out[a - r0:b - r0].copy_(w)
+            del w
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

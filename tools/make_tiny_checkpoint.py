@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""Write a tiny random checkpoint in the real on-disk layout (published key names, several shards).
+
+A family's tiny config (dstrain/targets/tiny_checkpoint.py FAMILIES) or --config JSON (transformers kwargs
+with a model_type) is initialised at random (--seed) and saved by transformers' save_pretrained in --shards
+files. --fp8 rewrites it the way DeepSeek publishes FP8: every linear weight of the decoder layers becomes
+float8_e4m3fn with a float32 `weight_scale_inv` per --block × --block tile; norms, routers, embeddings, the
+LM head (and DeepSeek-V4's compressor / indexer scoring projections) stay BF16.
+
+  tools/make_tiny_checkpoint.py --family deepseek_v3 --fp8 --block 8 /tmp/v3-fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dstrain.errors import UserError, cli_main
+from dstrain.targets.tiny_checkpoint import FAMILIES, SINGLE_FILE
+
+
+@cli_main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="output folder (must not exist or be empty)")
+    ap.add_argument("--family", help=f"one of: {', '.join(FAMILIES)}")
+    ap.add_argument("--config", help="JSON transformers config kwargs incl. model_type (instead of --family)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shards", type=int, default=None, help="number of safetensors files (default 4; smollm2_moe: 1)")
+    ap.add_argument("--fp8", action="store_true", help="DeepSeek block-FP8 layout (float8_e4m3fn + weight_scale_inv)")
+    ap.add_argument("--block", type=int, default=128, help="FP8 block size (small values make tiny tensors span blocks)")
+    ap.add_argument("--not-convert", default="", help="comma-separated modules to keep unquantised (modules_to_not_convert)")
+    args = ap.parse_args()
+
+    from dstrain.targets.tiny_checkpoint import family_config, write_checkpoint
+
+    if bool(args.family) == bool(args.config):
+        raise UserError("give exactly one of --family or --config")
+    try:
+        config = json.loads(args.config) if args.config else None
+    except ValueError as exc:
+        raise UserError(f"--config is not JSON ({exc})") from None
+    hf_config = family_config(args.family, config)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} is not empty; choose another folder")
+    if args.block < 1:
+        raise UserError(f"--block {args.block} must be ≥ 1")
+    shards = args.shards or (1 if args.family in SINGLE_FILE else 4)
+    skip = [m for m in args.not_convert.split(",") if m]
+    write_checkpoint(out, hf_config, seed=args.seed, shards=shards, fp8_block=args.block if args.fp8 else None, skip=skip)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    size = sum((out / f).stat().st_size for f in files)
+    print(f"wrote {out}: {hf_config['model_type']}, {len(files)} safetensors file(s), {size / 2**20:.2f} MiB"
+          + (f", FP8 blocks {args.block}x{args.block}" if args.fp8 else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    main()
