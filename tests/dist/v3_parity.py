@@ -1,0 +1,192 @@
+"""torchrun worker (4 ranks): DeepSeek-V3 on megatron-core equals transformers' DeepseekV3ForCausalLM.
+
+Layouts, in three phases on one launch: TP=2 (ranks 0-1) beside PP=2 (ranks 2-3); EP=2 (ranks 0-1: TP=1, two
+data-parallel replicas whose experts are split, each replica fed its own batch so mixed-up token dispatch
+would show); TP=2 × EP=2 × PP=2 (all four; EP spans the two tensor ranks of a stage). For each case every
+rank builds the same random HF model (weights ×3, random e_score_correction_bias), writes it with
+save_pretrained (published key layout), builds megatron from the V3 adapter, fills it from its rank's shard
+plan through a reader of that folder, runs MegatronTarget's own forward, and compares the captured layers
+and final pre-LM-head states with HFTarget's. Prints one JSON line: max |Δ| and activation scale per layout.
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tiny_configs import TINY  # noqa: E402
+
+from dstrain.targets import cpu_compat, mcore_patches  # noqa: E402
+from dstrain.targets.deepseek_v3 import ADAPTER  # noqa: E402
+from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
+from dstrain.targets.megatron import MegatronTarget  # noqa: E402
+from dstrain.targets.shard_plan import RankCoords  # noqa: E402
+from dstrain.world import Layout, target_process_groups  # noqa: E402
+
+BASE = {**TINY["deepseek_v3"], "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
+        "first_k_dense_replace": 1, "v_head_dim": 12}  # v_head_dim ≠ hidden/heads: the MLA core-attention fix is exercised
+CASES = {
+    "grouped_bias_dense0": BASE,
+    # no q LoRA (q_proj), HF's half-split rope (rope rows permuted on load), V3's yarn (factor 40, mscale 1/1)
+    "qproj_halfsplit_yarn": {**BASE, "q_lora_rank": None, "rope_interleave": False, "max_position_embeddings": 320,
+                             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                                 "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
+                                                 "mscale": 1.0, "mscale_all_dim": 1.0}},
+}
+CAPTURE = [0, 1, 2, 3]
+
+
+class FolderReader:
+    """Reads one Read's slice from a save_pretrained folder (stand-in for checkpoint.CheckpointReader.read)."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        self.files = {}
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".safetensors"):
+                h = safe_open(os.path.join(folder, f), "pt")
+                self.files.update({k: h for k in h.keys()})
+
+    def read(self, r) -> torch.Tensor:
+        sl = self.files[r.key].get_slice(r.key)
+        assert tuple(sl.get_shape()) == r.shape, (r.key, sl.get_shape(), r.shape)
+        if r.dim is None:
+            return sl[:]
+        index = tuple(slice(r.start, r.stop) if i == r.dim else slice(None) for i in range(len(r.shape)))
+        return sl[index]
+
+
+def megatron_v3(hf, folder: str, groups, lay: Layout) -> MegatronTarget:
+    """MegatronTarget built from the adapter (what MegatronTarget.__init__ does, with the adapter's calls)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    cfg = hf.config
+    tp, pp, ep = groups.tp.size(), groups.pp.size(), groups.ep.size()
+    ADAPTER.check_layout(cfg, tp, pp, ep)
+    t = MegatronTarget.__new__(MegatronTarget)
+    t.name, t.hidden_size, t.vocab_size, t.num_layers = "v3", cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    t.capture_layers, t.stage, t.stages, t.tp_rank = CAPTURE, groups.pp.rank(), pp, groups.tp.rank()
+    at = RankCoords(tp=tp, tp_rank=t.tp_rank, ep=ep, ep_rank=groups.ep.rank(), pp=pp, stage=t.stage, num_layers=t.num_layers)
+    t.layer_offset, t.first, t.last = at.layer_offset, at.first, at.last
+    t.local_layers = [i for i in CAPTURE if at.layer_offset <= i < at.layer_offset + at.layers_per_stage]
+    tcfg = ADAPTER.transformer_config(cfg, tp, pp, ep, torch.float32)
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+    torch.manual_seed(0)
+    t.model = GPTModel(tcfg, ADAPTER.layer_spec(tcfg, cfg), pre_process=t.first, post_process=t.last, pg_collection=groups,
+                       **ADAPTER.gpt_kwargs(cfg))
+    plan = ADAPTER.rank_plan(cfg, at)
+    state = {k: v for k, v in t.model.state_dict(keep_vars=True).items()
+             if not k.endswith("_extra_state") and not k.startswith("output_layer.")}
+    names = [p.name for p in plan]
+    assert sorted(names) == sorted(state), (set(state) ^ set(names))
+    reader = FolderReader(folder)
+    with torch.no_grad():
+        for p in plan:
+            value = p.combine([reader.read(r) for r in p.reads])
+            assert value.shape == state[p.name].shape, (p.name, value.shape, state[p.name].shape)
+            state[p.name].data.copy_(value)
+    t.model.eval().requires_grad_(False)
+    t.p2p = P2PCommunicator(groups.pp, tcfg) if pp > 1 else None
+    t.local_captured = t.final_hidden = None
+    return t
+
+
+def hf_model(case: dict, folder: str):
+    hf = random_model(case, seed=7, dtype="float32")
+    with torch.no_grad():
+        for p in hf.parameters():  # random init is small; widen it so differences cannot hide in tiny activations
+            p.mul_(3.0) if p.dim() == 2 else None
+        g = torch.Generator().manual_seed(3)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # non-zero: routing then differs from plain sigmoid top-k
+                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    hf.save_pretrained(folder, max_shard_size="20KB")
+    return hf
+
+
+def run(lay: Layout, groups, hf, folder: str) -> tuple[float, float]:
+    _, dp, _ = lay.coords(dist.get_rank())
+    ids = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1 + dp))
+    ref = HFTarget(hf, "v3", capture_layers=CAPTURE)(ids)
+    tgt = megatron_v3(hf, folder, groups, lay)
+    tgt(ids)
+    diff, scale = 0.0, 0.0
+    if tgt.local_captured is not None:
+        cols = [CAPTURE.index(i) for i in tgt.local_layers]
+        diff = (tgt.local_captured - ref.captured[:, :, cols]).abs().max().item()
+        scale = ref.captured[:, :, cols].abs().max().item()
+    if tgt.final_hidden is not None:
+        diff = max(diff, (tgt.final_hidden - ref.final_hidden).abs().max().item())
+        scale = max(scale, ref.final_hidden.abs().max().item())
+    return diff, scale
+
+
+def sensitivity(hf) -> dict:
+    """How far HF's own output moves when one V3 semantic is dropped: each must dwarf the 1e-4 tolerance,
+    or the parity above could not tell whether megatron honours it."""
+    ids = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1))
+    ref = HFTarget(hf, "v3")(ids).final_hidden
+    gates = [layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
+    knobs = {"group_limited": [(g, "num_group", 1) for g in gates] + [(g, "topk_group", 1) for g in gates],
+             "expert_bias": [(g, "e_score_correction_bias", torch.zeros_like(g.e_score_correction_bias)) for g in gates],
+             "routed_scaling": [(g, "routed_scaling_factor", 1.0) for g in gates],
+             "rope_layout": [(hf.config, "rope_interleave", not hf.config.rope_interleave)]}
+    out = {}
+    for name, changes in knobs.items():
+        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in changes]
+        for obj, attr, value in changes:
+            setattr(obj, attr, value)
+        out[name] = (HFTarget(hf, "v3")(ids).final_hidden - ref).abs().max().item()
+        for obj, attr, value in saved:
+            setattr(obj, attr, value)
+    return out
+
+
+PHASES = [  # (name, Layout) pairs that run side by side; drafters=k only shifts a layout to ranks k.. (no drafters run)
+    [("tp2", Layout(tp=2, pp=1, dp=1, ep=1, drafters=0, disaggregated=True)),
+     ("pp2", Layout(tp=1, pp=2, dp=1, ep=1, drafters=2, disaggregated=True))],
+    [("ep2", Layout(tp=1, pp=1, dp=2, ep=2, drafters=0, disaggregated=True))],
+    [("tp2_ep2_pp2", Layout(tp=2, pp=2, dp=1, ep=2, drafters=0, disaggregated=True))],
+]
+
+
+def main() -> None:
+    # save_pretrained writes on global rank 0 only once a process group exists: write each rank's copy before
+    tmp = tempfile.mkdtemp(prefix=f"v3parity{os.environ['RANK']}-")
+    models = {c: hf_model(cfg, os.path.join(tmp, c)) for c, cfg in CASES.items()}
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    report = {"patches": cpu_compat.apply() + mcore_patches.apply()}
+    names = [n for phase in PHASES for n, _ in phase]
+    result = torch.zeros(len(names), len(CASES), 2)
+    for phase in PHASES:
+        built = [(n, lay, target_process_groups(lay)) for n, lay in phase]  # every rank creates every group
+        for n, lay, groups in built:
+            if groups is None:
+                continue
+            for j, case in enumerate(CASES):
+                result[names.index(n), j] = torch.tensor(run(lay, groups, models[case], os.path.join(tmp, case)))
+        dist.barrier()
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    for i, n in enumerate(names):
+        report[n] = {case: {"max_abs_diff": result[i, j, 0].item(), "scale": result[i, j, 1].item()}
+                     for j, case in enumerate(CASES)}
+    if rank == 0:
+        report["sensitivity"] = sensitivity(models["grouped_bias_dense0"])
+        print("PARITY " + json.dumps(report), flush=True)
+    dist.destroy_process_group()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
