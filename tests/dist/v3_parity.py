@@ -5,8 +5,8 @@ data-parallel replicas whose experts are split, each replica fed its own batch s
 would show); TP=2 × EP=2 × PP=2 (all four; EP spans the two tensor ranks of a stage). For each case every
 rank builds the same random HF model (weights ×3, random e_score_correction_bias), writes it with
 save_pretrained (published key layout), builds megatron from the V3 adapter, fills it from its rank's shard
-plan through a reader of that folder, runs MegatronTarget's own forward, and compares the captured layers
-and final pre-LM-head states with HFTarget's. Prints one JSON line: max |Δ| and activation scale per layout.
+plan through checkpoint.CheckpointReader (only its slices), runs MegatronTarget's own forward, and compares
+the captured layers and final pre-LM-head states with HFTarget's. Prints one JSON line: max |Δ| and activation scale per layout.
 """
 
 import json
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tiny_configs import TINY  # noqa: E402
 
 from dstrain.targets import cpu_compat, mcore_patches  # noqa: E402
+from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
 from dstrain.targets.deepseek_v3 import ADAPTER  # noqa: E402
 from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
 from dstrain.targets.megatron import MegatronTarget  # noqa: E402
@@ -40,27 +41,6 @@ CASES = {
                                                  "mscale": 1.0, "mscale_all_dim": 1.0}},
 }
 CAPTURE = [0, 1, 2, 3]
-
-
-class FolderReader:
-    """Reads one Read's slice from a save_pretrained folder (stand-in for checkpoint.CheckpointReader.read)."""
-
-    def __init__(self, folder: str):
-        from safetensors import safe_open
-
-        self.files = {}
-        for f in sorted(os.listdir(folder)):
-            if f.endswith(".safetensors"):
-                h = safe_open(os.path.join(folder, f), "pt")
-                self.files.update({k: h for k in h.keys()})
-
-    def read(self, r) -> torch.Tensor:
-        sl = self.files[r.key].get_slice(r.key)
-        assert tuple(sl.get_shape()) == r.shape, (r.key, sl.get_shape(), r.shape)
-        if r.dim is None:
-            return sl[:]
-        index = tuple(slice(r.start, r.stop) if i == r.dim else slice(None) for i in range(len(r.shape)))
-        return sl[index]
 
 
 def megatron_v3(hf, folder: str, groups, lay: Layout) -> MegatronTarget:
@@ -89,8 +69,7 @@ def megatron_v3(hf, folder: str, groups, lay: Layout) -> MegatronTarget:
              if not k.endswith("_extra_state") and not k.startswith("output_layer.")}
     names = [p.name for p in plan]
     assert sorted(names) == sorted(state), (set(state) ^ set(names))
-    reader = FolderReader(folder)
-    with torch.no_grad():
+    with torch.no_grad(), CheckpointReader(folder, torch.float32) as reader:
         for p in plan:
             value = p.combine([reader.read(r) for r in p.reads])
             assert value.shape == state[p.name].shape, (p.name, value.shape, state[p.name].shape)
