@@ -29,6 +29,7 @@ class Plan:
     drafter_params: int
     memory: dict[str, dict[str, float]]
     flops: StepFlops
+    load: str | None = None  # what each megatron target rank reads of a local checkpoint (sharded_load.plan_bytes)
 
 
 def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
@@ -85,11 +86,13 @@ def build_plan(recipe: Recipe) -> Plan:
     from dstrain.world import layout_of
 
     layout_of(recipe.world)  # drafter count vs replicas
+    load = None
     if recipe.target.backend == "megatron":
-        from dstrain.targets.megatron_weights import check_layout as check_megatron
+        from dstrain.targets.adapters import adapter_for
 
         t = recipe.world.target
-        check_megatron(cfg, t.tp, t.pp, t.ep)
+        adapter_for(cfg).check_layout(cfg, t.tp, t.pp, t.ep)
+        load = load_estimate(recipe, cfg)
     capture = recipe.target.capture_layers or default_capture_layers(sizes.num_layers, recipe.target.num_capture)
     bad = [i for i in capture if not 0 <= i < sizes.num_layers]
     if bad:
@@ -97,7 +100,39 @@ def build_plan(recipe: Recipe) -> Plan:
     drafter = meta_drafter(recipe, cfg, len(capture))
     dparams = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     return Plan(recipe, source, sizes, list(capture), dparams, memory_estimate(recipe, sizes, dparams, len(capture)),
-                step_flops(recipe, cfg, sizes, drafter))
+                step_flops(recipe, cfg, sizes, drafter), load)
+
+
+def load_estimate(recipe: Recipe, cfg) -> str | None:
+    """Bytes a megatron target rank reads at start-up, summed from its shard plan and the safetensors headers
+    (no tensor data read); None when the checkpoint is not on this machine (random targets: not yet written)."""
+    from pathlib import Path
+
+    from dstrain.targets import smollm2
+    from dstrain.targets.adapters import adapter_for
+    from dstrain.targets.checkpoint import CheckpointReader
+    from dstrain.targets.shard_plan import RankCoords
+    from dstrain.targets.sharded_load import plan_bytes
+
+    tgt, t = recipe.target, recipe.world.target
+    if tgt.source == "path":
+        folder = Path(tgt.path)
+    elif tgt.source == "smollm2_moe":
+        up = tgt.upcycle
+        folder = smollm2.moe_path(up.num_experts, up.top_k, up.expert_noise, up.seed)
+    else:
+        return None
+    if not (folder / "config.json").is_file() or not list(folder.glob("*.safetensors")):
+        return None
+    reader = CheckpointReader(folder)
+    total = sum(e.end - e.begin for e in (reader.entry(k) for k in reader.keys()))
+    worst = (0, 0)
+    for stage in range(t.pp):  # tensor/expert rank 0 of each stage: the other ranks' slices are the same size
+        plan = adapter_for(cfg).rank_plan(cfg, RankCoords(t.tp, 0, t.ep, 0, t.pp, stage, cfg.num_hidden_layers))
+        worst = max(worst, (plan_bytes(plan, reader), sum(reader.owned_bytes(r) for p in plan for r in p.reads)))
+    reader.close()
+    return (f"each target rank reads <= {_gib(worst[0] / GiB)} of the {_gib(total / GiB)} checkpoint (owns {_gib(worst[1] / GiB)};"
+            " the rest: o_proj/down_proj rows whose other columns belong to other tensor ranks)")
 
 
 def _n(x: float) -> str:
@@ -154,6 +189,8 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     else:
         add(f"  balance  colocated: each rank spends {f.target_per_sequence / (f.target_per_sequence + f.drafter_per_sequence):.0%}"
             " of its step FLOPs on the target forward")
+    if plan.load:
+        add(f"  load     {plan.load}")
     add("  memory per rank (estimate):")
     for role, parts in plan.memory.items():
         total = sum(parts.values())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dstrain.targets.base import TargetBackend, TargetOutput, default_capture_layers
 
-__all__ = ["TargetBackend", "TargetOutput", "default_capture_layers", "load_target", "target_folder"]
+__all__ = ["TargetBackend", "TargetOutput", "checkpoint_folder", "default_capture_layers", "load_target", "target_folder"]
 
 
 def target_folder(target) -> str | None:
@@ -17,6 +17,16 @@ def target_folder(target) -> str | None:
         up = target.upcycle
         return str(smollm2.moe_folder(up.num_experts, up.top_k, up.expert_noise, up.seed))
     return None
+
+
+def checkpoint_folder(target, seed: int = 0) -> str:
+    """Like target_folder, but a `source: random` target is first written as a real checkpoint (cached), so
+    the sharded loaders have one path: read slices from safetensors shards."""
+    if target.source == "random":
+        from dstrain.targets.tiny_checkpoint import random_target_folder
+
+        return str(random_target_folder(target.hf_config, seed))
+    return target_folder(target)
 
 
 def load_target(target, seed: int = 0) -> TargetBackend:

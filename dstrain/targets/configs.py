@@ -27,6 +27,16 @@ def config_from_dict(hf_config: dict):
         raise UserError(f"target.hf_config: transformers rejects it ({str(exc).splitlines()[0]})") from None
 
 
+def load_config(folder: str | Path):
+    """The transformers config of a checkpoint folder (one-line UserError if unreadable)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"target.path {folder}: cannot read its config ({str(exc).splitlines()[0]})") from None
+
+
 def resolve_config(target) -> tuple[object, str]:
     """(config, where it came from) for a recipe's TargetConfig."""
     from transformers import AutoConfig

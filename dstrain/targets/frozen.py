@@ -1,13 +1,13 @@
 """The frozen pieces of a target a drafter rank needs: config, embedding and LM head — nothing else.
 
 A disaggregated drafter rank never holds the target's layers. It reads the embedding and LM head
-tensors straight from the checkpoint's safetensors (tied heads reuse the embedding), and the
-config, so it can size its drafter and apply the LM head to the streamed final states itself.
+tensors straight from the checkpoint's safetensors through the same reader as the target ranks
+(checkpoint.py: FP8 dequantised; tied heads reuse the embedding), and the config, so it can size its
+drafter and apply the LM head to the streamed final states itself.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from dstrain.errors import UserError
 from dstrain.targets.base import resolve_capture_layers
 from dstrain.targets.hf import DTYPES
 
-EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "model.embed.weight")
+EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "model.embed.weight", "embed.weight")
 HEAD_KEYS = ("lm_head.weight", "head.weight")
 
 
@@ -38,42 +38,31 @@ def from_target(target) -> FrozenParts:
     return FrozenParts(target.model.config, target.embedding, target.lm_head, list(target.capture_layers))
 
 
-def _read(folder: Path, keys: tuple[str, ...]) -> torch.Tensor | None:
-    from safetensors import safe_open
+def _read(reader, keys: tuple[str, ...], shape: tuple[int, int]) -> torch.Tensor | None:
+    from dstrain.targets.shard_plan import full
 
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-        [p.name for p in folder.glob("*.safetensors")]
-    for name in files:
-        with safe_open(str(folder / name), framework="pt") as f:
-            for key in keys:
-                if key in f.keys():
-                    return f.get_tensor(key)
+    for key in keys:
+        if key in reader:
+            return reader.read(full(key, shape))
     return None
 
 
 def load_frozen_parts(target_cfg, seed: int) -> FrozenParts:
-    from dstrain.targets import target_folder
+    from dstrain.targets import checkpoint_folder
+    from dstrain.targets.checkpoint import CheckpointReader
+    from dstrain.targets.configs import load_config
 
     dtype = DTYPES[target_cfg.dtype]
-    if target_cfg.source == "random":
-        from dstrain.targets.hf import HFTarget, random_model
-
-        return from_target(HFTarget(random_model(target_cfg.hf_config, seed, target_cfg.dtype), target_cfg.name,
-                                    target_cfg.capture_layers, target_cfg.num_capture))
-    from transformers import AutoConfig
-
-    folder = Path(target_folder(target_cfg))
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"target.path {folder}: cannot read its config ({str(exc).splitlines()[0]})") from None
-    embed = _read(folder, EMBED_KEYS)
-    if embed is None:
-        raise UserError(f"target.path {folder}: no embedding tensor ({' / '.join(EMBED_KEYS)}) in its safetensors")
-    head = None if getattr(config, "tie_word_embeddings", False) else _read(folder, HEAD_KEYS)
-    embedding = nn.Embedding.from_pretrained(embed.to(dtype), freeze=True)
+    folder = Path(checkpoint_folder(target_cfg, seed))  # a random target is written once as a checkpoint
+    config = load_config(folder)
+    shape = (config.vocab_size, config.hidden_size)
+    with CheckpointReader(folder, dtype) as reader:  # two tensors read, FP8 dequantised if so stored
+        embed = _read(reader, EMBED_KEYS, shape)
+        if embed is None:
+            raise UserError(f"target.path {folder}: no embedding tensor ({' / '.join(EMBED_KEYS)}) in its safetensors")
+        head = None if getattr(config, "tie_word_embeddings", False) else _read(reader, HEAD_KEYS, shape)
+    embedding = nn.Embedding.from_pretrained(embed, freeze=True)
     lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, dtype=dtype).requires_grad_(False)
-    lm_head.weight = embedding.weight if head is None else nn.Parameter(head.to(dtype), requires_grad=False)
+    lm_head.weight = embedding.weight if head is None else nn.Parameter(head, requires_grad=False)
     layers = resolve_capture_layers(target_cfg.name, config.num_hidden_layers, target_cfg.capture_layers, target_cfg.num_capture)
     return FrozenParts(config, embedding, lm_head, layers)

@@ -1,7 +1,9 @@
 """megatron-core backend: a frozen GPTModel sharded tensor × pipeline × expert parallel.
 
-Built from a Hugging Face folder (or a random tiny config) through megatron_weights' mapping, on the
-target ranks' own process groups (a ProcessGroupCollection, so drafter ranks can share the world).
+Built from a checkpoint folder (a `source: random` target is first written as one, tiny_checkpoint.py)
+through its family's adapter (adapters.py), on the target ranks' own process groups (a
+ProcessGroupCollection, so drafter ranks can share the world). Each rank reads only the slices its
+shard plan names, straight from the safetensors shards (sharded_load.py, checkpoint.py).
 Forward hooks capture the chosen layers on the stage that owns them; the final pre-LM-head states
 are the output of the last stage's final norm, where the forward stops: the LM head never runs on
 the target side. Pipeline stages are chained with megatron's P2PCommunicator, one micro-batch at
@@ -16,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dstrain.errors import UserError
 from dstrain.targets.base import TargetOutput, resolve_capture_layers
 from dstrain.targets.hf import DTYPES
 
@@ -26,45 +27,42 @@ class _StopAtFinalNorm(Exception):
 
 
 class MegatronTarget:
-    def __init__(self, hf_model, name: str, groups, capture_layers: list[int] | None = None, num_capture: int = 3,
+    def __init__(self, cfg, reader, name: str, groups, capture_layers: list[int] | None = None, num_capture: int = 3,
                  dtype: str = "float32"):
+        """Build this rank's GPTModel for transformers config `cfg` and fill it from `reader` (a CheckpointReader
+        over the checkpoint folder) with exactly the slices its shard plan names."""
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         from dstrain.targets import cpu_compat
-        from dstrain.targets import megatron_weights as mw
+        from dstrain.targets.adapters import adapter_for
+        from dstrain.targets.shard_plan import RankCoords
+        from dstrain.targets.sharded_load import load_plan
 
         cpu_compat.apply()
-        cfg = hf_model.config
+        adapter = adapter_for(cfg)
         self.name, self.hidden_size, self.vocab_size = name, cfg.hidden_size, cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
         self.capture_layers = resolve_capture_layers(name, self.num_layers, capture_layers, num_capture)
         tp, pp, ep = groups.tp.size(), groups.pp.size(), groups.ep.size()
-        mw.check_layout(cfg, tp, pp, ep)
-        self.tp_rank, self.stage, self.stages = groups.tp.rank(), groups.pp.rank(), pp
-        per_stage = self.num_layers // pp
-        self.layer_offset = self.stage * per_stage
-        self.first, self.last = self.stage == 0, self.stage == pp - 1
+        adapter.check_layout(cfg, tp, pp, ep)
+        self.coords = RankCoords(tp=tp, tp_rank=groups.tp.rank(), ep=ep, ep_rank=groups.ep.rank(), pp=pp,
+                                 stage=groups.pp.rank(), num_layers=self.num_layers)
+        self.tp_rank, self.stage, self.stages = self.coords.tp_rank, self.coords.stage, pp
+        per_stage = self.coords.layers_per_stage
+        self.layer_offset = self.coords.layer_offset
+        self.first, self.last = self.coords.first, self.coords.last
         self.local_layers = [i for i in self.capture_layers if self.layer_offset <= i < self.layer_offset + per_stage]
 
-        tcfg = mw.transformer_config(cfg, tp, pp, ep, DTYPES[dtype])
+        tcfg = adapter.transformer_config(cfg, tp, pp, ep, DTYPES[dtype])
         if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
             parallel_state._set_global_memory_buffer()  # the local attention borrows scratch space from it
-        spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, qk_layernorm=tcfg.qk_layernorm)
-        self.model = GPTModel(tcfg, spec, pre_process=self.first, post_process=self.last, pg_collection=groups,
-                              **mw.gpt_kwargs(cfg))
-        weights = mw.rank_state_dict(hf_model.state_dict(), cfg, tp=tp, tp_rank=self.tp_rank, ep=ep, ep_rank=groups.ep.rank(),
-                                     layer_offset=self.layer_offset, num_local_layers=per_stage,
-                                     first_stage=self.first, last_stage=self.last)
-        own = {k for k in self.model.state_dict() if not k.endswith("_extra_state")}
-        skipped = {k for k in own if k.startswith("output_layer.")}  # the LM head runs on the drafter side
-        missing, unexpected = own - skipped - set(weights), set(weights) - own
-        if missing or unexpected:
-            raise UserError(f"target {name}: HF→megatron mapping mismatch (missing {sorted(missing)[:3]}, "
-                            f"unexpected {sorted(unexpected)[:3]}); this checkpoint layout is not supported")
-        self.model.load_state_dict(weights, strict=False)
+        self.model = GPTModel(tcfg, adapter.layer_spec(tcfg, cfg), pre_process=self.first, post_process=self.last,
+                              pg_collection=groups, **adapter.gpt_kwargs(cfg))
+        if self.last and getattr(self.model, "output_layer", None) is not None:
+            self.model.output_layer.weight = None  # the LM head runs on the drafter side: never read, never held
+        self.load_stats = load_plan(self.model, adapter.rank_plan(cfg, self.coords), reader, f"target {name}")
         self.model.eval().requires_grad_(False)
         self.dtype = DTYPES[dtype]
         self.p2p = P2PCommunicator(groups.pp, tcfg) if pp > 1 else None
@@ -111,16 +109,16 @@ class MegatronTarget:
 
 
 def load_megatron_target(target_cfg, groups, seed: int):
-    """Load the HF checkpoint (or random tiny config) on this target rank and shard it for megatron."""
-    from dstrain.targets import target_folder
-    from dstrain.targets.hf import load_hf_model, random_model
+    """Build this target rank's shard of the recipe's target, reading only its own slices of the checkpoint."""
+    from dstrain.targets import checkpoint_folder
+    from dstrain.targets.checkpoint import CheckpointReader
+    from dstrain.targets.configs import load_config
 
-    if target_cfg.source == "random":
-        hf = random_model(target_cfg.hf_config, seed, "float32")
-    else:
-        hf = load_hf_model(target_folder(target_cfg), "float32")
-    torch.manual_seed(seed)  # megatron's CPU init draws from the global RNG before our weights overwrite it
-    target = MegatronTarget(hf, target_cfg.name, groups, target_cfg.capture_layers, target_cfg.num_capture, target_cfg.dtype)
-    del hf
+    folder = checkpoint_folder(target_cfg, seed)
+    cfg = load_config(folder)
+    torch.manual_seed(seed)  # megatron's CPU init may draw from the global RNG before our weights overwrite it
+    with CheckpointReader(folder, DTYPES[target_cfg.dtype]) as reader:
+        target = MegatronTarget(cfg, reader, target_cfg.name, groups, target_cfg.capture_layers, target_cfg.num_capture,
+                                target_cfg.dtype)
     dist.barrier(group=groups.mp)
     return target

@@ -1,15 +1,18 @@
-"""Hugging Face → megatron-core: the TransformerConfig of a checkpoint and each rank's slice of its weights.
+"""The GPT-family FamilyAdapter (shard_plan.py): megatron's config for a checkpoint and each rank's shard plan.
 
-One mapping serves every family megatron can build from our local layer spec: Llama, Mistral,
+One mapping serves every family megatron can build from its local layer spec: Llama, Mistral,
 Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and the MoE families Mixtral and Qwen3-MoE (router +
-SequentialMLP experts). Layouts that differ between the two:
+SequentialMLP experts). The plan names the checkpoint keys as published (what `save_pretrained` writes),
+and each rank reads only row ranges it owns, except for the two row-parallel matrices:
 - megatron fuses q/k/v into one `linear_qkv` whose rows go group by group ([q heads of group g; k_g; v_g]),
-  and tensor parallelism splits that fused matrix by whole groups;
-- gated MLPs fuse [gate; up] into `linear_fc1`, split per tensor rank so every rank holds its own
-  [gate shard; up shard];
-- transformers 5 stores MoE experts fused as `experts.gate_up_proj` [E, 2F, d] and `experts.down_proj`
-  [E, d, F]; with expert parallelism a rank holds experts [e·E/ep, (e+1)·E/ep) as `local_experts.0..`.
-DeepSeek-V3 (MLA) and DeepSeek-V4 (mHC, compressed attention) are not mapped: they stay on the HF backend.
+  and tensor parallelism splits it by whole KV groups: a rank reads, per own group, its q, k and v rows;
+- gated MLPs fuse [gate; up] into `linear_fc1`, split per tensor rank: a rank reads its gate and up rows;
+- o_proj / dense down_proj are split by columns (the reader streams their rows and keeps its columns);
+- experts are whole per rank (expert_tensor_parallel_size=1): expert-parallel rank e reads experts
+  [e·E/ep, (e+1)·E/ep) — Mixtral's `w1` (gate), `w3` (up), `w2` (down), Qwen3-MoE's gate/up/down_proj;
+- the embedding is split by vocabulary rows on the first stage, the final norm lives on the last, and
+  the LM head is never read: the drafter side applies it.
+This module is the adapter itself (its functions are the protocol's methods); adapters.py registers it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dstrain.errors import UserError
+from dstrain.targets.shard_plan import Param, RankCoords, Read, cat0, full, rows
 
 DENSE = {"llama", "mistral", "qwen2", "qwen3"}
 MOE = {"mixtral", "qwen3_moe"}
@@ -49,6 +53,8 @@ def check_layout(cfg, tp: int, pp: int, ep: int) -> None:
         raise UserError(f"world.target.ep={ep}: {kind} is dense; set world.target.ep=1")
     if kind == "qwen3_moe" and (getattr(cfg, "mlp_only_layers", []) or getattr(cfg, "decoder_sparse_step", 1) != 1):
         raise UserError("target.backend=megatron: Qwen3-MoE with dense layers (mlp_only_layers/decoder_sparse_step) is not mapped; use target.backend=hf")
+    if getattr(cfg, "attention_bias", False) and kind != "qwen2":
+        raise UserError(f"target.backend=megatron: {kind} with attention_bias (an o_proj bias) is not mapped; use target.backend=hf")
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", kind == "mistral"):
         raise UserError(f"target.backend=megatron: {kind} with a sliding window is not mapped yet; use target.backend=hf")
 
@@ -59,6 +65,10 @@ def num_experts(cfg) -> int:
 
 def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _qkv_bias(cfg) -> bool:
+    return bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
 
 
 def transformer_config(cfg, tp: int, pp: int, ep: int, dtype: torch.dtype):
@@ -77,7 +87,7 @@ def transformer_config(cfg, tp: int, pp: int, ep: int, dtype: torch.dtype):
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_key_value_heads, kv_channels=head_dim(cfg), ffn_hidden_size=cfg.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2",
+        add_bias_linear=False, add_qkv_bias=_qkv_bias(cfg),
         qk_layernorm=cfg.model_type in ("qwen3", "qwen3_moe"), hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
@@ -91,50 +101,68 @@ def gpt_kwargs(cfg) -> dict:
                 share_embeddings_and_output_weights=False)
 
 
-def _fused_qkv(q, k, v, nq: int, nkv: int, hd: int) -> torch.Tensor:
-    """[q; k; v] (HF) → megatron's group-interleaved rows, for weights [*, d] and biases [*]."""
-    tail = q.shape[1:]
-    groups = [q.reshape(nkv, nq // nkv * hd, *tail), k.reshape(nkv, hd, *tail), v.reshape(nkv, hd, *tail)]
-    return torch.cat(groups, dim=1).reshape(-1, *tail)
+def layer_spec(tcfg, cfg):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, qk_layernorm=tcfg.qk_layernorm)
 
 
-def _gated(gate: torch.Tensor, up: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], 0)
+def _qkv(attn: str, suffix: str, cfg, at: RankCoords) -> list[Read]:
+    """This tensor rank's KV groups, each as its q rows, k rows, v rows: concatenated, megatron's fused order."""
+    nq, nkv, hd, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg), cfg.hidden_size
+    tail = (d,) if suffix == "weight" else ()
+    q_rows = nq // nkv * hd
+    per = nkv // at.tp
+    reads = []
+    for g in range(at.tp_rank * per, (at.tp_rank + 1) * per):
+        reads += [Read(f"{attn}q_proj.{suffix}", (nq * hd, *tail), 0, g * q_rows, (g + 1) * q_rows),
+                  Read(f"{attn}k_proj.{suffix}", (nkv * hd, *tail), 0, g * hd, (g + 1) * hd),
+                  Read(f"{attn}v_proj.{suffix}", (nkv * hd, *tail), 0, g * hd, (g + 1) * hd)]
+    return reads
 
 
-def rank_state_dict(hf: dict[str, torch.Tensor], cfg, *, tp: int, tp_rank: int, ep: int, ep_rank: int,
-                    layer_offset: int, num_local_layers: int, first_stage: bool, last_stage: bool) -> dict[str, torch.Tensor]:
-    """The megatron state dict of one (tensor, pipeline, expert) rank, sliced from a full HF state dict."""
-    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
-    out: dict[str, torch.Tensor] = {}
-    if first_stage:
-        out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"].chunk(tp, 0)[tp_rank]
-    if last_stage:
-        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    E = num_experts(cfg)
-    for local in range(num_local_layers):
-        src, dst = f"model.layers.{layer_offset + local}.", f"decoder.layers.{local}."
-        a = src + "self_attn."
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        qkv = _fused_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], nq, nkv, hd)
-        out[dst + "self_attention.linear_qkv.weight"] = qkv.chunk(tp, 0)[tp_rank]
-        if a + "q_proj.bias" in hf:
-            bias = _fused_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], nq, nkv, hd)
-            out[dst + "self_attention.linear_qkv.bias"] = bias.chunk(tp, 0)[tp_rank]
-        out[dst + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"].chunk(tp, 1)[tp_rank]
-        if a + "q_norm.weight" in hf:
-            out[dst + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
-            out[dst + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
-        m = src + "mlp."
+def _experts(src: str, cfg) -> tuple[str, str, str, str, str]:
+    """(router key, expert key pattern, gate, up, down names) as each family publishes them."""
+    if cfg.model_type == "mixtral":
+        return src + "block_sparse_moe.gate.weight", src + "block_sparse_moe.experts.{e}.{w}.weight", "w1", "w3", "w2"
+    return src + "mlp.gate.weight", src + "mlp.experts.{e}.{w}.weight", "gate_proj", "up_proj", "down_proj"
+
+
+def rank_plan(cfg, at: RankCoords) -> list[Param]:
+    """Every megatron parameter of this rank, with the published checkpoint slices it is made of."""
+    d, V, E = cfg.hidden_size, cfg.vocab_size, num_experts(cfg)
+    nq, hd = cfg.num_attention_heads, head_dim(cfg)
+    plan = []
+    if at.first:
+        plan.append(Param("embedding.word_embeddings.weight", [rows("model.embed_tokens.weight", (V, d), at.tp, at.tp_rank)]))
+    if at.last:
+        plan.append(Param("decoder.final_layernorm.weight", [full("model.norm.weight", (d,))]))
+    for local in range(at.layers_per_stage):
+        src, dst = f"model.layers.{at.layer_offset + local}.", f"decoder.layers.{local}."
+        attn, sa = src + "self_attn.", dst + "self_attention."
+        plan += [Param(dst + "input_layernorm.weight", [full(src + "input_layernorm.weight", (d,))]),
+                 Param(dst + "pre_mlp_layernorm.weight", [full(src + "post_attention_layernorm.weight", (d,))]),
+                 Param(sa + "linear_qkv.weight", _qkv(attn, "weight", cfg, at), cat0),
+                 Param(sa + "linear_proj.weight", [rows(attn + "o_proj.weight", (d, nq * hd), at.tp, at.tp_rank, dim=1)])]
+        if _qkv_bias(cfg):
+            plan.append(Param(sa + "linear_qkv.bias", _qkv(attn, "bias", cfg, at), cat0))
+        if cfg.model_type in ("qwen3", "qwen3_moe"):
+            plan += [Param(sa + "q_layernorm.weight", [full(attn + "q_norm.weight", (hd,))]),
+                     Param(sa + "k_layernorm.weight", [full(attn + "k_norm.weight", (hd,))])]
         if cfg.model_type in MOE:
-            out[dst + "mlp.router.weight"] = hf[m + "gate.weight"]
-            per_rank = E // ep
-            for j in range(per_rank):
-                e = ep_rank * per_rank + j
-                out[dst + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = hf[m + "experts.gate_up_proj"][e]
-                out[dst + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = hf[m + "experts.down_proj"][e]
+            F_ = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+            router, key, gate, up, down = _experts(src, cfg)
+            plan.append(Param(dst + "mlp.router.weight", [full(router, (E, d))]))
+            per = E // at.ep
+            for j in range(per):
+                e = at.ep_rank * per + j
+                mine = dst + f"mlp.experts.local_experts.{j}."
+                plan += [Param(mine + "linear_fc1.weight", [full(key.format(e=e, w=gate), (F_, d)),
+                                                            full(key.format(e=e, w=up), (F_, d))], cat0),
+                         Param(mine + "linear_fc2.weight", [full(key.format(e=e, w=down), (d, F_))])]
         else:
-            out[dst + "mlp.linear_fc1.weight"] = _gated(hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"], tp, tp_rank)
-            out[dst + "mlp.linear_fc2.weight"] = hf[m + "down_proj.weight"].chunk(tp, 1)[tp_rank]
-    return {k: v.contiguous() for k, v in out.items()}
+            F_, m = cfg.intermediate_size, src + "mlp."
+            plan += [Param(dst + "mlp.linear_fc1.weight", [rows(m + "gate_proj.weight", (F_, d), at.tp, at.tp_rank),
+                                                           rows(m + "up_proj.weight", (F_, d), at.tp, at.tp_rank)], cat0),
+                     Param(dst + "mlp.linear_fc2.weight", [rows(m + "down_proj.weight", (d, F_), at.tp, at.tp_rank, dim=1)])]
+    return plan

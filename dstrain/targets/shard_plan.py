@@ -49,6 +49,8 @@ def cat0(tensors: list[torch.Tensor]) -> torch.Tensor:
 class Param:
     name: str  # the megatron state-dict name it fills (decoder.layers.0.self_attention.linear_qkv.weight)
     reads: list[Read]
+    # `whole` and `cat0` are streamed by the loader (each Read straight into its rows of the parameter);
+    # any other callable gets the materialised reads and its result is copied in.
     combine: Callable[[list[torch.Tensor]], torch.Tensor] = field(default=whole)
 
     @property

@@ -89,10 +89,14 @@ def dense_folder() -> Path:
     return _atomic_save(dest, write)
 
 
+def moe_path(num_experts: int, top_k: int, expert_noise: float, seed: int) -> Path:
+    """Where the upcycled folder for these settings lives (whether built yet or not)."""
+    return cache_root() / f"smollm2-moe-e{num_experts}-k{top_k}-n{expert_noise:g}-s{seed}"
+
+
 def moe_folder(num_experts: int, top_k: int, expert_noise: float, seed: int) -> Path:
     """The upcycled SmolLM2-MoE folder for these settings (built once, cached)."""
-    tag = f"smollm2-moe-e{num_experts}-k{top_k}-n{expert_noise:g}-s{seed}"
-    dest = cache_root() / tag
+    dest = moe_path(num_experts, top_k, expert_noise, seed)
     if (dest / "config.json").is_file():
         return dest
 

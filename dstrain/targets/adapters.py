@@ -1,0 +1,39 @@
+"""Which FamilyAdapter (shard_plan.FamilyAdapter) builds each model_type on the megatron backend.
+
+Entries are "module" or "module:attribute" paths, imported on first use, so an adapter module that needs
+extra megatron patches costs nothing to families that do not use it. To add a family, add one line
+mapping its transformers `model_type` to the object implementing the protocol.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from dstrain.errors import UserError
+
+GPT = "dstrain.targets.megatron_weights"  # the module is the adapter: its functions are the protocol's methods
+
+ADAPTERS: dict[str, str] = {
+    "llama": GPT,
+    "mistral": GPT,
+    "qwen2": GPT,
+    "qwen3": GPT,
+    "mixtral": GPT,
+    "qwen3_moe": GPT,
+    # "deepseek_v3": "dstrain.targets.deepseek_v3:ADAPTER",  (MLA; added with its adapter)
+}
+
+
+def megatron_families() -> list[str]:
+    return sorted(ADAPTERS)
+
+
+def adapter_for(cfg_or_model_type):
+    """The adapter for a transformers config (or a model_type string); one-line UserError if none."""
+    kind = cfg_or_model_type if isinstance(cfg_or_model_type, str) else cfg_or_model_type.model_type
+    if kind not in ADAPTERS:
+        raise UserError(f"target.backend=megatron does not build model_type={kind!r} (megatron families: "
+                        f"{', '.join(megatron_families())}); use target.backend=hf")
+    module, _, attr = ADAPTERS[kind].partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr) if attr else obj
