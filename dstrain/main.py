@@ -95,9 +95,10 @@ def train(recipe) -> int:
         from dstrain.train.step import FeatureCache
 
         target = load_target(recipe.target, seed=recipe.run.seed)
-        frozen = from_target(target)
+        target.model.to(world.device)  # built on the CPU (same weights for a seed on any device), then moved
+        frozen = from_target(target)  # the target's own embedding and LM head: on world.device with it
         cache = FeatureCache(recipe.train.target_cache_mb * 2**20) if recipe.train.target_cache_mb else None
-        source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache)
+        source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device)
     summary = Trainer(recipe, frozen, source, run_dir, world).train()
     mark_done()
     if world.is_main and summary["last"]:

@@ -11,9 +11,11 @@ import torch
 from tqdm import tqdm
 
 
-def peak_memory_mb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
+def peak_memory_mb(device=None) -> float:
+    """Peak allocated CUDA memory of `device` (default: the current GPU when there is one), else peak RSS."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if cuda:
+        return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 

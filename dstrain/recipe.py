@@ -28,6 +28,8 @@ class RunConfig(Section):
     output_dir: str = "runs"
     wandb_project: str = "dstrain"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="colocated runs: auto = CUDA when torch sees a GPU (one per rank, cuda:LOCAL_RANK), else CPU")
 
 
 class TargetParallel(Section):

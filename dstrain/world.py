@@ -136,6 +136,7 @@ class World:
     world_size: int
     local_rank: int
     layout: Layout | None = None
+    device: torch.device = torch.device("cpu")  # where this rank's target, drafter and micro-batches live
     drafter_group: object = None  # DeepSpeed's data-parallel group (WORLD when colocated)
     mpu: DrafterMPU | None = None
     target_groups: object = None  # megatron ProcessGroupCollection on target ranks
@@ -158,6 +159,46 @@ class World:
         return self.drafter_index == 0 and self.role != "target"
 
 
+def run_device(recipe, local_rank: int = 0) -> torch.device:
+    """The device a rank trains on: `run.device` (auto = CUDA when torch sees one), one GPU per local rank.
+
+    Disaggregated runs stay on the CPU: their channel streams CPU tensors over gloo (not wired for NCCL yet)."""
+    want = recipe.run.device
+    if want == "cuda" and recipe.world.mode == "disaggregated":
+        raise UserError("run.device=cuda: disaggregated runs stream target features as CPU tensors over gloo (CUDA is"
+                        " not wired for them yet); set run.device=cpu or auto, or world.mode=colocated")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"run.device=cuda but torch {torch.__version__} sees no CUDA device (CPU-only build or"
+                        " CUDA_VISIBLE_DEVICES empty); set run.device=cpu or auto")
+    if want == "cpu" or recipe.world.mode == "disaggregated" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} CUDA device(s);"
+                        " launch at most that many processes per node, or set run.device=cpu")
+    return torch.device("cuda", local_rank)
+
+
+def select_deepspeed_accelerator(device: torch.device) -> None:
+    """DeepSpeed's accelerator must match the run's device: CPU (gloo) for CPU runs even on a GPU machine,
+    CUDA (NCCL) for GPU runs. dstrain/__init__ names the CPU one only where CUDA is absent."""
+    import sys
+
+    name = "cuda" if device.type == "cuda" else "cpu"
+    forced = os.environ.get("DS_ACCELERATOR")
+    if forced is not None and forced != name:
+        raise UserError(f"DS_ACCELERATOR={forced} contradicts run.device={device.type}: unset DS_ACCELERATOR"
+                        f" or set run.device={'cpu' if device.type == 'cuda' else 'cuda'}")
+    os.environ["DS_ACCELERATOR"] = name
+    real = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    current = getattr(real, "ds_accelerator", None)
+    if current is not None and current._name != name:  # resolved earlier (some import asked for it): switch
+        if name == "cpu":
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
+        else:
+            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
+        real.set_accelerator(Accelerator())
+
+
 def init_world(recipe) -> World:
     layout = layout_of(recipe.world)
     size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -166,7 +207,11 @@ def init_world(recipe) -> World:
         raise UserError(f"the recipe's world needs {layout.world_size} process(es) but {size} were launched;"
                         f" run torchrun --nproc-per-node {layout.world_size} or set {hint} to match {size}")
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = run_device(recipe, local)
+    select_deepspeed_accelerator(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=int(os.environ.get("DSTRAIN_COLLECTIVE_TIMEOUT_S", "600")))
         if "MASTER_ADDR" in os.environ:
@@ -175,7 +220,7 @@ def init_world(recipe) -> World:
             store = tempfile.NamedTemporaryFile(prefix="dstrain-pg-", delete=False).name
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    world = World(rank, size, local, layout)
+    world = World(rank, size, local, layout, device=device)
     if not layout.disaggregated:
         world.drafter_group = dist.group.WORLD
         return world

@@ -10,7 +10,7 @@ is exactly what a target rank must stream for the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -38,6 +38,12 @@ class PackedBlocks:
     @property
     def valid(self) -> torch.Tensor:
         return self.labels >= 0
+
+    def to(self, device) -> "PackedBlocks":
+        """The same packing with every index tensor on `device` (packing itself runs on the CPU)."""
+        if self.block_tokens.device == torch.device(device):
+            return self
+        return PackedBlocks(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def pack_blocks(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], anchors: list[torch.Tensor], gamma: int,

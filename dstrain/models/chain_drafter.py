@@ -71,7 +71,7 @@ class ChainDrafter(nn.Module):
         ctx_in = self._entry(ctx_embed, g)
         k_ctx, v_ctx = self.layer.context_kv(self.layer.attn_norm(ctx_in), packed.ctx_pos)
         # The window's last slot is position a−1: that entry is the block's own first step, not context.
-        own = packed.key_index[:, -1] if packed.key_index.shape[1] else torch.full((n,), -1, dtype=torch.long)
+        own = packed.key_index[:, -1] if packed.key_index.shape[1] else torch.full((n,), -1, dtype=torch.long, device=packed.key_index.device)
         key_index = packed.key_index.clone()
         if key_index.shape[1]:
             key_index[:, -1] = -1

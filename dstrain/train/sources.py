@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from dstrain.channel import Receiver, compact, needed_rows, send_resume
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks
@@ -29,8 +31,11 @@ class MicroBatch:
 
 
 class LocalSource:
-    def __init__(self, target, loader, recipe, cache: FeatureCache | None = None):
+    """`device`: where the micro-batches go (the target's and the drafter's device); packing runs on the CPU."""
+
+    def __init__(self, target, loader, recipe, cache: FeatureCache | None = None, device=None):
         self.target, self.loader, self.recipe, self.cache = target, loader, recipe, cache
+        self.device = torch.device(device or "cpu")
         self._stream = None
 
     def start(self, step: int) -> None:
@@ -41,7 +46,7 @@ class LocalSource:
         out = []
         for _ in range(r.train.grad_accum):
             samples = [next(self._stream) for _ in range(r.train.micro_batch_size)]
-            out.append(MicroBatch(samples, pack_step(r, samples, step), self))
+            out.append(MicroBatch(samples, pack_step(r, samples, step).to(self.device), self))
         return out
 
     def features(self, samples: list[Sample]) -> TargetFeatures:  # lazily, one micro-batch at a time

@@ -58,19 +58,28 @@ def padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, lis
     return ids, att, lengths
 
 
+def target_device(target) -> torch.device:
+    """Where a colocated target's weights live (its inputs go there, its features come back from there)."""
+    model = getattr(target, "model", None)
+    param = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+    return param.device if param is not None else torch.device("cpu")
+
+
 @torch.no_grad()
 def target_features(target, samples: list[Sample], cache: FeatureCache | None = None) -> TargetFeatures:
+    """Features of `samples` on the target's device; the cache holds CPU copies (GPU memory is for training)."""
+    device = target_device(target)
     todo = [s for s in samples if cache is None or cache.get(s.meta["id"]) is None]
     fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if todo:
         ids, att, lengths = padded_batch(todo)
-        out = target(ids, att)
+        out = target(ids.to(device), att.to(device))
         for i, s in enumerate(todo):
             fresh[s.meta["id"]] = (out.captured[i, : lengths[i]].clone(), out.final_hidden[i, : lengths[i]].clone())
             if cache is not None:
-                cache.put(s.meta["id"], *fresh[s.meta["id"]])
+                cache.put(s.meta["id"], *(t.cpu() for t in fresh[s.meta["id"]]))
     parts = [fresh.get(s.meta["id"]) or cache.get(s.meta["id"]) for s in samples]
-    return TargetFeatures(torch.cat([c for c, _ in parts]), torch.cat([f for _, f in parts]))
+    return TargetFeatures(torch.cat([c.to(device) for c, _ in parts]), torch.cat([f.to(device) for _, f in parts]))
 
 
 def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int) -> PackedBlocks:

@@ -74,6 +74,7 @@ class Trainer:
         self.recipe, self.source, self.run_dir = recipe, source, run_dir
         self.frozen, self.lm_head = frozen, frozen.lm_head
         self.group = world.drafter_group
+        self.device = getattr(world, "device", torch.device("cpu"))  # DeepSpeed's accelerator device: the same
         self.dp_world, self.is_main = world.num_drafters, world.is_main
         if world.mpu is not None:
             scope_deepspeed_to(world.drafter_group)
@@ -108,11 +109,11 @@ class Trainer:
         """One optimizer step over a list of sources.MicroBatch."""
         r = self.recipe
         gamma = r.drafter.block_size
-        pw = position_weights(gamma, r.loss.gamma_decay)
+        pw = position_weights(gamma, r.loss.gamma_decay, self.device)
         total_w = _all_reduce(torch.stack([(pw * mb.packed.valid).sum() for mb in micro]).sum(), self.group)
         scale = self.dp_world / total_w.clamp(min=1e-9)
         acc = {"ce": 0.0, "tv": 0.0, "conf": 0.0, "aux": 0.0}
-        pos_acc, pos_n = torch.zeros(gamma), torch.zeros(gamma)
+        pos_acc, pos_n = torch.zeros(gamma, device=self.device), torch.zeros(gamma, device=self.device)
         confs, labels = [], []
         tokens = 0
         for i, mb in enumerate(micro):
@@ -136,8 +137,9 @@ class Trainer:
                 labels.append(accept[valid])
         for m in self.drafter.moe_layers():
             m.update_route_bias()
-        stats = torch.cat([torch.tensor([acc["ce"], acc["tv"], acc["conf"], acc["aux"], float(tokens)]), pos_acc, pos_n])
+        stats = torch.cat([torch.tensor([acc["ce"], acc["tv"], acc["conf"], acc["aux"], float(tokens)], device=self.device), pos_acc, pos_n])
         stats = _all_reduce(stats, self.group)
+        stats = stats.cpu()
         pos = stats[5 : 5 + gamma] / stats[5 + gamma :].clamp(min=1)
         out = {"loss_ce": stats[0].item() / self.dp_world, "loss_tv": stats[1].item() / self.dp_world,
                "loss_conf": stats[2].item() / self.dp_world, "aux_loss": stats[3].item() / self.dp_world,
@@ -147,7 +149,7 @@ class Trainer:
             out[f"acceptance@{k + 1}"] = pos[k].item()
         out["tau_hat"] = 1.0 + torch.cumprod(pos, 0).sum().item()
         if confs:
-            out["calibration_error"] = calibration_error(torch.cat(confs), torch.cat(labels))
+            out["calibration_error"] = calibration_error(torch.cat(confs).cpu(), torch.cat(labels).cpu())
         return out
 
     def _grad_norm(self) -> float:
@@ -156,7 +158,7 @@ class Trainer:
         if reported is not None:
             return float(reported)
         grads = [p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None]
-        local = torch.stack(grads).pow(2).sum() if grads else torch.zeros(())
+        local = torch.stack(grads).pow(2).sum() if grads else torch.zeros((), device=self.device)
         return float(_all_reduce(local, self.group).sqrt())
 
     # -- loop --------------------------------------------------------------------------------------------
@@ -182,7 +184,7 @@ class Trainer:
                         metrics["channel_bytes_per_step"] = window["bytes"] / window["steps"]
                         metrics["channel_bytes_per_position"] = window["bytes"] / max(window["positions"], 1)
                     metrics.update({"lr": self.scheduler.get_last_lr()[0], "supervised_positions_per_s": window["positions"] / (now - t_last),
-                                    "tokens_per_s": window["tokens"] / (now - t_last), "peak_memory_mb": peak_memory_mb()})
+                                    "tokens_per_s": window["tokens"] / (now - t_last), "peak_memory_mb": peak_memory_mb(self.device)})
                     for i, m in enumerate(self.drafter.moe_layers()):
                         metrics[f"expert_load_max/layer{i}"] = float(m.last_load.max() * m.num_experts)
                     monitor.log(self.step, metrics)
