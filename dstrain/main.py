@@ -71,6 +71,10 @@ def train(recipe) -> int:
         raise UserError("target.backend=hf serves one whole replica per target rank (tensor/expert parallel HF targets are"
                         " not built): set world.target.tp/pp/ep=1 and scale with world.target.dp, or use a megatron family")
     world = init_world(recipe)
+    if world.world_size == 1 and world.device.type == "cpu":
+        from dstrain.train.ds_glue import skip_shm_comm_op
+
+        skip_shm_comm_op()
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     start_watchdog(world, run_dir)

@@ -58,3 +58,13 @@ def scope_deepspeed_to(drafters) -> None:
             wrapped = _scoped(name, fn)
             wrapped._dstrain_scoped = True
             setattr(TorchBackend, name, wrapped)
+
+
+def skip_shm_comm_op() -> None:
+    """A world of one process has nothing to reduce through shared memory: DeepSpeed's CPU backend would still
+    compile its shared-memory comm op with g++ on a machine's first run (30-50 s) and attach it to every
+    collective. Called for one-process worlds only; multi-process CPU worlds keep it."""
+    import importlib
+
+    # (not `import deepspeed.comm.torch as m`: deepspeed.comm's own `torch` attribute is torch itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
