@@ -29,7 +29,7 @@ class Plan:
     drafter_params: int
     memory: dict[str, dict[str, float]]
     flops: StepFlops
-    load: str | None = None  # what each megatron target rank reads of a local checkpoint (sharded_load.plan_bytes)
+    load: dict[str, int] | None = None  # bytes a megatron target rank reads of a local checkpoint (sharded_load.plan_bytes)
 
 
 def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
@@ -44,12 +44,16 @@ def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
         raise UserError(f"world.target.pp={t.pp} does not divide the target's {sizes.num_layers} layers")
 
 
-def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: int) -> dict[str, dict[str, float]]:
-    """Bytes per rank (GiB), a planning estimate: weights exactly, activations by formula."""
+def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: int,
+                    target_elements: int | None = None) -> dict[str, dict[str, float]]:
+    """Bytes per rank (GiB): weights exactly (a megatron target rank's from the shard plan its loader executes,
+    `target_elements`; otherwise by parameter counts), activations by formula."""
     t, ds = recipe.world.target, recipe.deepspeed
     wbytes = BYTES[recipe.target.dtype]
     dense = sizes.params - sizes.expert_params
     target_w = (dense / (t.tp * t.pp) + sizes.expert_params / (t.ep * t.pp)) * wbytes
+    if target_elements is not None:
+        target_w = target_elements * wbytes
     seq, mb, d = recipe.data.max_length, recipe.train.micro_batch_size, sizes.hidden_size
     # inference only: the residual stream, one layer's working set (~4d wide MLP/attention tensors), the captured layers.
     target_act = mb * seq * d * wbytes * (m + 1 + 6) / t.tp
@@ -71,7 +75,8 @@ def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: 
     context_rows = mb * min(seq, min(k, seq) * min(win, seq))
     incoming = (context_rows * m + blocks * gamma) * d * wbytes
     return {
-        "target rank": {"weights": target_w / GiB, "activations": target_act / GiB},
+        "target rank": {"weights" + (" (shard plan)" if target_elements is not None else ""): target_w / GiB,
+                        "activations": target_act / GiB},
         "drafter rank": {
             "params": params_b / GiB, "grads": grads_b / GiB, "optimizer+master": optim_b / GiB,
             "frozen embed+lm_head": frozen / GiB, "activations": drafter_act / GiB, "streamed features": incoming / GiB,
@@ -86,35 +91,38 @@ def build_plan(recipe: Recipe) -> Plan:
     from dstrain.world import layout_of
 
     layout_of(recipe.world)  # drafter count vs replicas
-    load = None
+    load, held = None, None
     if recipe.target.backend == "megatron":
         from dstrain.targets.adapters import adapter_for
+        from dstrain.targets.shard_plan import RankCoords
 
-        t = recipe.world.target
-        adapter_for(cfg).check_layout(cfg, t.tp, t.pp, t.ep)
-        load = load_estimate(recipe, cfg)
+        t, adapter = recipe.world.target, adapter_for(cfg)
+        adapter.check_layout(cfg, t.tp, t.pp, t.ep)
+        # tensor/expert rank 0 of each stage: the other ranks of a stage own slices of the same sizes
+        stage_plans = [adapter.rank_plan(cfg, RankCoords(t.tp, 0, t.ep, 0, t.pp, stage, cfg.num_hidden_layers))
+                       for stage in range(t.pp)]
+        held = max(sum(p.numel for p in plan) for plan in stage_plans)
+        load = load_estimate(recipe, stage_plans)
     capture = recipe.target.capture_layers or default_capture_layers(sizes.num_layers, recipe.target.num_capture)
     bad = [i for i in capture if not 0 <= i < sizes.num_layers]
     if bad:
         raise UserError(f"target.capture_layers {bad} out of range: the target has layers 0..{sizes.num_layers - 1}")
     drafter = meta_drafter(recipe, cfg, len(capture))
     dparams = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    return Plan(recipe, source, sizes, list(capture), dparams, memory_estimate(recipe, sizes, dparams, len(capture)),
+    return Plan(recipe, source, sizes, list(capture), dparams, memory_estimate(recipe, sizes, dparams, len(capture), held),
                 step_flops(recipe, cfg, sizes, drafter), load)
 
 
-def load_estimate(recipe: Recipe, cfg) -> str | None:
+def load_estimate(recipe: Recipe, stage_plans: list) -> dict[str, int] | None:
     """Bytes a megatron target rank reads at start-up, summed from its shard plan and the safetensors headers
     (no tensor data read); None when the checkpoint is not on this machine (random targets: not yet written)."""
     from pathlib import Path
 
     from dstrain.targets import smollm2
-    from dstrain.targets.adapters import adapter_for
     from dstrain.targets.checkpoint import CheckpointReader
-    from dstrain.targets.shard_plan import RankCoords
     from dstrain.targets.sharded_load import plan_bytes
 
-    tgt, t = recipe.target, recipe.world.target
+    tgt = recipe.target
     if tgt.source == "path":
         folder = Path(tgt.path)
     elif tgt.source == "smollm2_moe":
@@ -127,12 +135,10 @@ def load_estimate(recipe: Recipe, cfg) -> str | None:
     reader = CheckpointReader(folder)
     total = sum(e.end - e.begin for e in (reader.entry(k) for k in reader.keys()))
     worst = (0, 0)
-    for stage in range(t.pp):  # tensor/expert rank 0 of each stage: the other ranks' slices are the same size
-        plan = adapter_for(cfg).rank_plan(cfg, RankCoords(t.tp, 0, t.ep, 0, t.pp, stage, cfg.num_hidden_layers))
+    for plan in stage_plans:
         worst = max(worst, (plan_bytes(plan, reader), sum(reader.owned_bytes(r) for p in plan for r in p.reads)))
     reader.close()
-    return (f"each target rank reads <= {_gib(worst[0] / GiB)} of the {_gib(total / GiB)} checkpoint (owns {_gib(worst[1] / GiB)};"
-            " the rest: o_proj/down_proj rows whose other columns belong to other tensor ranks)")
+    return {"read": worst[0], "owned": worst[1], "checkpoint": total}
 
 
 def _n(x: float) -> str:
@@ -190,7 +196,9 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
         add(f"  balance  colocated: each rank spends {f.target_per_sequence / (f.target_per_sequence + f.drafter_per_sequence):.0%}"
             " of its step FLOPs on the target forward")
     if plan.load:
-        add(f"  load     {plan.load}")
+        b = plan.load
+        add(f"  load     each target rank reads <= {_gib(b['read'] / GiB)} of the {_gib(b['checkpoint'] / GiB)} checkpoint (owns"
+            f" {_gib(b['owned'] / GiB)}; the rest: o_proj/down_proj rows whose other columns belong to other tensor ranks)")
     add("  memory per rank (estimate):")
     for role, parts in plan.memory.items():
         total = sum(parts.values())

@@ -302,3 +302,25 @@ def test_real_default_target_folder():
             assert stats.bytes_read == plan_bytes(plan, reader)
             assert all(torch.equal(dests[k], v) for k, v in ref.items()), at
             print(at, f"read {stats.bytes_read / 2**20:.0f} MiB, owned {stats.owned_bytes / 2**20:.0f} MiB")
+
+
+def test_dry_run_plan_sizes_each_rank_from_the_plan_the_loader_executes(folders):
+    """--dry-run's target weights and bytes read equal what the loader holds and reads, rank by rank (worst rank)."""
+    from dstrain.plan import GiB, build_plan, format_plan
+    from dstrain.recipe import load_recipe
+
+    folder = folders("qwen3_moe")
+    cfg, hf = load_config(folder), hf_state(folder)
+    overrides = ["world.mode=disaggregated", "world.target.tp=2", "world.target.pp=2", "world.target.ep=2",
+                 "world.drafter_ranks=1", "target.backend=megatron", "target.source=path", f"target.path={folder}",
+                 "target.dtype=bfloat16"]
+    plan = build_plan(load_recipe(str(ROOT / "recipes/tiny_moe.yaml"), overrides))
+    held = read = 0
+    with CheckpointReader(folder, torch.bfloat16) as reader:
+        for at in coords(cfg):  # destinations shaped by the reference slicing, not by the plan
+            dests = {k: torch.empty_like(v, dtype=torch.bfloat16) for k, v in reference_rank_state(hf, cfg, at).items()}
+            stats = load_into(dests, adapter_for(cfg).rank_plan(cfg, at), reader)
+            held, read = max(held, stats.elements * 2), max(read, stats.bytes_read)
+    assert plan.memory["target rank"]["weights (shard plan)"] * GiB == pytest.approx(held)
+    assert plan.load["read"] == read
+    assert "each target rank reads <=" in format_plan(plan, "tiny")
