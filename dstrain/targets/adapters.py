@@ -20,7 +20,7 @@ ADAPTERS: dict[str, str] = {
     "qwen3": GPT,
     "mixtral": GPT,
     "qwen3_moe": GPT,
-    # "deepseek_v3": "dstrain.targets.deepseek_v3:ADAPTER",  (MLA; added with its adapter)
+    "deepseek_v3": "dstrain.targets.deepseek_v3:ADAPTER",
 }
 
 

@@ -4,8 +4,8 @@ Layouts, in three phases on one launch: TP=2 (ranks 0-1) beside PP=2 (ranks 2-3)
 data-parallel replicas whose experts are split, each replica fed its own batch so mixed-up token dispatch
 would show); TP=2 × EP=2 × PP=2 (all four; EP spans the two tensor ranks of a stage). For each case every
 rank builds the same random HF model (weights ×3, random e_score_correction_bias), writes it with
-save_pretrained (published key layout), builds megatron from the V3 adapter, fills it from its rank's shard
-plan through checkpoint.CheckpointReader (only its slices), runs MegatronTarget's own forward, and compares
+save_pretrained (published key layout), builds MegatronTarget over a CheckpointReader of that folder (the
+registry picks the V3 adapter; each rank loads only its shard plan's slices), runs one forward, and compares
 the captured layers and final pre-LM-head states with HFTarget's. Prints one JSON line: max |Δ| and activation scale per layout.
 """
 
@@ -24,10 +24,8 @@ from tiny_configs import TINY  # noqa: E402
 
 from dstrain.targets import cpu_compat, mcore_patches  # noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
-from dstrain.targets.deepseek_v3 import ADAPTER  # noqa: E402
 from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
 from dstrain.targets.megatron import MegatronTarget  # noqa: E402
-from dstrain.targets.shard_plan import RankCoords  # noqa: E402
 from dstrain.world import Layout, target_process_groups  # noqa: E402
 
 BASE = {**TINY["deepseek_v3"], "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
@@ -43,41 +41,11 @@ CASES = {
 CAPTURE = [0, 1, 2, 3]
 
 
-def megatron_v3(hf, folder: str, groups, lay: Layout) -> MegatronTarget:
-    """MegatronTarget built from the adapter (what MegatronTarget.__init__ does, with the adapter's calls)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-    cfg = hf.config
-    tp, pp, ep = groups.tp.size(), groups.pp.size(), groups.ep.size()
-    ADAPTER.check_layout(cfg, tp, pp, ep)
-    t = MegatronTarget.__new__(MegatronTarget)
-    t.name, t.hidden_size, t.vocab_size, t.num_layers = "v3", cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
-    t.capture_layers, t.stage, t.stages, t.tp_rank = CAPTURE, groups.pp.rank(), pp, groups.tp.rank()
-    at = RankCoords(tp=tp, tp_rank=t.tp_rank, ep=ep, ep_rank=groups.ep.rank(), pp=pp, stage=t.stage, num_layers=t.num_layers)
-    t.layer_offset, t.first, t.last = at.layer_offset, at.first, at.last
-    t.local_layers = [i for i in CAPTURE if at.layer_offset <= i < at.layer_offset + at.layers_per_stage]
-    tcfg = ADAPTER.transformer_config(cfg, tp, pp, ep, torch.float32)
-    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
-        parallel_state._set_global_memory_buffer()
+def megatron_v3(hf, folder: str, groups) -> MegatronTarget:
+    """The product path: MegatronTarget finds the V3 adapter in the registry and loads its rank's plan."""
     torch.manual_seed(0)
-    t.model = GPTModel(tcfg, ADAPTER.layer_spec(tcfg, cfg), pre_process=t.first, post_process=t.last, pg_collection=groups,
-                       **ADAPTER.gpt_kwargs(cfg))
-    plan = ADAPTER.rank_plan(cfg, at)
-    state = {k: v for k, v in t.model.state_dict(keep_vars=True).items()
-             if not k.endswith("_extra_state") and not k.startswith("output_layer.")}
-    names = [p.name for p in plan]
-    assert sorted(names) == sorted(state), (set(state) ^ set(names))
-    with torch.no_grad(), CheckpointReader(folder, torch.float32) as reader:
-        for p in plan:
-            value = p.combine([reader.read(r) for r in p.reads])
-            assert value.shape == state[p.name].shape, (p.name, value.shape, state[p.name].shape)
-            state[p.name].data.copy_(value)
-    t.model.eval().requires_grad_(False)
-    t.p2p = P2PCommunicator(groups.pp, tcfg) if pp > 1 else None
-    t.local_captured = t.final_hidden = None
-    return t
+    with CheckpointReader(folder, torch.float32) as reader:
+        return MegatronTarget(hf.config, reader, "v3", groups, capture_layers=CAPTURE)
 
 
 def hf_model(case: dict, folder: str):
@@ -97,7 +65,7 @@ def run(lay: Layout, groups, hf, folder: str) -> tuple[float, float]:
     _, dp, _ = lay.coords(dist.get_rank())
     ids = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1 + dp))
     ref = HFTarget(hf, "v3", capture_layers=CAPTURE)(ids)
-    tgt = megatron_v3(hf, folder, groups, lay)
+    tgt = megatron_v3(hf, folder, groups)
     tgt(ids)
     diff, scale = 0.0, 0.0
     if tgt.local_captured is not None:
