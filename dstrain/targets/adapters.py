@@ -21,6 +21,7 @@ ADAPTERS: dict[str, str] = {
     "mixtral": GPT,
     "qwen3_moe": GPT,
     "deepseek_v3": "dstrain.targets.deepseek_v3:ADAPTER",
+    "deepseek_v4": "dstrain.targets.deepseek_v4:ADAPTER",  # its own megatron model (v4_model.py), not a GPTModel
 }
 
 

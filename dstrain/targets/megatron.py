@@ -1,4 +1,5 @@
-"""megatron-core backend: a frozen GPTModel sharded tensor × pipeline × expert parallel.
+"""megatron-core backend: a frozen GPTModel (DeepSeek-V4: its own megatron model) sharded tensor × pipeline × expert
+parallel.
 
 Built from a checkpoint folder (a `source: random` target is first written as one, tiny_checkpoint.py)
 through its family's adapter (adapters.py), on the target ranks' own process groups (a
@@ -58,8 +59,16 @@ class MegatronTarget:
         tcfg = adapter.transformer_config(cfg, tp, pp, ep, DTYPES[dtype])
         if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
             parallel_state._set_global_memory_buffer()  # the local attention borrows scratch space from it
-        self.model = GPTModel(tcfg, adapter.layer_spec(tcfg, cfg), pre_process=self.first, post_process=self.last,
-                              pg_collection=groups, **adapter.gpt_kwargs(cfg))
+        build = getattr(adapter, "build_model", None)  # a family whose model is not a GPTModel (DeepSeek-V4)
+        if build is not None:
+            self.model = build(tcfg, cfg, self.first, self.last, groups)
+        else:
+            self.model = GPTModel(tcfg, adapter.layer_spec(tcfg, cfg), pre_process=self.first, post_process=self.last,
+                                  pg_collection=groups, **adapter.gpt_kwargs(cfg))
+        # what a stage sends its successor per token (V4: all n mHC streams), and whether every stage needs the ids
+        self.stage_width = getattr(self.model, "stage_width", cfg.hidden_size)
+        self.ids_everywhere = getattr(self.model, "needs_input_ids", False)
+        self.readout = getattr(self.model, "readout", None)  # V4: a captured layer's streams through the hc head
         if self.last and getattr(self.model, "output_layer", None) is not None:
             self.model.output_layer.weight = None  # the LM head runs on the drafter side: never read, never held
         self.load_stats = load_plan(self.model, adapter.rank_plan(cfg, self.coords), reader, f"target {name}")
@@ -78,7 +87,8 @@ class MegatronTarget:
         handles = []
         for idx in self.local_layers:
             def hook(_mod, _inp, out, idx=idx):
-                grabbed[idx] = (out[0] if isinstance(out, tuple) else out).transpose(0, 1)  # megatron is [T, B, d]
+                h = out[0] if isinstance(out, tuple) else out
+                grabbed[idx] = (h if self.readout is None else self.readout(h)).transpose(0, 1)  # megatron is [T, B, d]
             handles.append(self.model.decoder.layers[idx - self.layer_offset].register_forward_hook(hook))
         final: dict[str, torch.Tensor] = {}
         if self.last:
@@ -88,10 +98,11 @@ class MegatronTarget:
             handles.append(self.model.decoder.final_layernorm.register_forward_hook(stop))
         try:
             if not self.first:
-                self.model.set_input_tensor(self.p2p.recv_forward((T, B, self.hidden_size), is_first_stage=False))
+                self.model.set_input_tensor(self.p2p.recv_forward((T, B, self.stage_width), is_first_stage=False))
             position_ids = torch.arange(T).unsqueeze(0).expand(B, -1)
             try:
-                out = self.model(input_ids if self.first else None, position_ids, attention_mask=None)
+                ids = input_ids if self.first or self.ids_everywhere else None
+                out = self.model(ids, position_ids, attention_mask=None)
             except _StopAtFinalNorm:
                 out = None
             if not self.last:

@@ -1,0 +1,281 @@
+"""DeepSeek-V4 attention on megatron-core's linears: low-rank q, one shared K=V head with partial RoPE (undone on
+the output), per-head sinks, grouped low-rank output, sliding window, and the CSA / HCA compressed keys.
+
+Semantics follow transformers' DeepseekV4Attention (modeling_deepseek_v4.py); the arithmetic does not:
+- no [T × T] score tensor. Queries go in blocks of QUERY_BLOCK; a block scores only the keys of its window
+  (at most block + window - 1 of them) and its compressed entries: all causal ones (HCA: T/m' entries) or the
+  indexer's top-k gathered per query (CSA). The indexer scores queries against the T/m compressed keys in the
+  same blocks. Memory per block is O(heads × block × (block + window + k)), independent of T.
+- the indexer's top-k breaks ties deterministically: equal scores keep the lower entry index (a stable
+  descending sort). ReLU scores tie at exactly 0 whenever no indexer head fires, so this matters.
+Tensor parallel: q_b, the sinks and the grouped output projection split by heads (whole head groups per
+rank), o_b is row-parallel. The q down-projection, the single K=V head, both compressors and the indexer are
+replicated: each produces one latent every head reads (and the indexer's top-k must pick the same entries on
+every rank, so its head-sum is not split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from torch import nn
+
+QUERY_BLOCK = 128  # queries per attention block (tests lower it to exercise several blocks)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an fp32 weight and fp32 arithmetic, cast back once (V4 keeps its norms in fp32)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Rope:
+    """V4's interleaved RoPE on the trailing `2 × len(inv_freq)` channels of a head."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float):
+        self.inv_freq, self.scaling = inv_freq, scaling
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (2i, 2i+1) of x's trailing rope slice; cos/sin broadcast against x[..., :rd/2]."""
+    rd = 2 * cos.shape[-1]
+    nope, rope = x[..., :-rd], x[..., -rd:].float()
+    x1, x2 = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], -1)
+
+
+@dataclass(frozen=True)
+class V4Dims:
+    """What V4's modules need from the transformers config (TransformerConfig has no words for it)."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    q_lora: int
+    o_groups: int
+    o_lora: int
+    window: int
+    hc_mult: int
+    hc_iters: int
+    hc_eps: float
+    eps: float
+    csa_rate: int
+    hca_rate: int
+    index_heads: int
+    index_dim: int
+    index_topk: int
+    vocab: int
+    scoring: str
+    routed_scale: float
+
+
+class Compressor(MegatronModule):
+    """One compressed entry per `rate` tokens: a softmax(gate + ape)-weighted sum of projected tokens, RMS-normed,
+    RoPE'd at the window's first position. `overlap` (CSA and the indexer): entry w pools window w's second half
+    with window w-1's first half of a 2 × head_dim projection, over 2 × rate slots."""
+
+    def __init__(self, config, submodules, head_dim: int, rate: int, overlap: bool, dims: V4Dims):
+        super().__init__(config)
+        width = head_dim * (2 if overlap else 1)
+        self.head_dim, self.rate, self.overlap = head_dim, rate, overlap
+        kw = dict(config=config, init_method=config.init_method, bias=False)
+        self.linear_kv = build_module(submodules, dims.hidden, width, **kw)
+        self.linear_gate = build_module(submodules, dims.hidden, width, **kw)
+        self.ape = nn.Parameter(torch.empty(rate, width, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, dims.eps)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """x [B, T, d] -> entries [B, T // rate, head_dim]."""
+        B, T, _ = x.shape
+        m, D, n = self.rate, self.head_dim, T // self.rate
+        if n == 0:
+            return x.new_zeros(B, 0, D)
+        kv = self.linear_kv(x[:, :n * m])[0].view(B, n, m, -1)
+        gate = self.linear_gate(x[:, :n * m])[0].view(B, n, m, -1) + self.ape
+        if self.overlap:  # slots [0, m): window w-1's first half (absent for w = 0); [m, 2m): window w's second half
+            both_kv = kv.new_zeros(B, n, 2 * m, D)
+            both_gate = gate.new_full((B, n, 2 * m, D), float("-inf"))
+            both_kv[:, :, m:], both_gate[:, :, m:] = kv[..., D:], gate[..., D:]
+            both_kv[:, 1:, :m], both_gate[:, 1:, :m] = kv[:, :-1, :, :D], gate[:, :-1, :, :D]
+            kv, gate = both_kv, both_gate
+        pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
+        cos, sin = rope(torch.arange(n) * m, pooled.dtype)
+        return rotate(pooled, cos, sin)
+
+
+def causal_entries(positions: torch.Tensor, rate: int) -> torch.Tensor:
+    """How many compressed entries each query position may see: only windows it has fully read."""
+    return (positions + 1) // rate
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim; among equal scores the lower index comes first."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class Indexer(MegatronModule):
+    """CSA's lightning indexer: score = Σ_h w_h · ReLU(q_h · k_s) against its own compressed keys; keep the top-k
+    causal entries per query (-1 marks a slot with no admissible entry)."""
+
+    def __init__(self, config, submodules, dims: V4Dims):
+        super().__init__(config)
+        kw = dict(config=config, init_method=config.init_method, bias=False)
+        self.compressor = Compressor(config, submodules, dims.index_dim, dims.csa_rate, True, dims)
+        self.linear_q_up_proj = build_module(submodules, dims.q_lora, dims.index_heads * dims.index_dim, **kw)
+        self.linear_weights = build_module(submodules, dims.hidden, dims.index_heads, **kw)
+        self.heads, self.dim, self.topk, self.rate = dims.index_heads, dims.index_dim, dims.index_topk, dims.csa_rate
+
+    def forward(self, x: torch.Tensor, q_res: torch.Tensor, rope: Rope, positions: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        keys = self.compressor(x, rope)  # [B, n, c]
+        n = keys.shape[1]
+        if n == 0:
+            return torch.empty(B, T, 0, dtype=torch.long)
+        cos, sin = rope(positions, x.dtype)
+        q = rotate(self.linear_q_up_proj(q_res)[0].view(B, T, self.heads, self.dim), cos[:, None], sin[:, None])
+        w = self.linear_weights(x)[0].float() * self.heads ** -0.5
+        keys_t = keys.transpose(-1, -2).float().unsqueeze(1)
+        picks = []
+        for s in range(0, T, QUERY_BLOCK):
+            e = min(T, s + QUERY_BLOCK)
+            scores = F.relu(torch.matmul(q[:, s:e].float(), keys_t)) * self.dim ** -0.5  # [B, b, H_I, n]
+            scores = (scores * w[:, s:e].unsqueeze(-1)).sum(dim=2)
+            seen = causal_entries(positions[s:e], self.rate)[:, None]  # [b, 1]
+            scores = scores.masked_fill(torch.arange(n) >= seen, float("-inf"))
+            top = stable_topk(scores, min(self.topk, n))
+            picks.append(torch.where(top >= seen, torch.full_like(top, -1), top))
+        return torch.cat(picks, 1)
+
+
+def sparse_attention(q, kv, sinks, scale: float, window: int, entries=None, rate: int = 1, picks=None,
+                     positions=None) -> torch.Tensor:
+    """q [B, T, H, D], shared K=V kv [B, T, D], sinks [H]; optional compressed entries [B, n, D], seen causally
+    (HCA, `picks` None) or through the indexer's picks [B, T, k] (CSA). Returns [B, T, H, D]."""
+    B, T, H, _ = q.shape
+    positions = torch.arange(T) if positions is None else positions
+    out = torch.empty_like(q)
+    n = 0 if entries is None else entries.shape[1]
+    for s in range(0, T, QUERY_BLOCK):
+        e = min(T, s + QUERY_BLOCK)
+        a = max(0, s - window + 1)
+        qb, keys = q[:, s:e], kv[:, a:e]
+        i, j = torch.arange(s, e)[:, None], torch.arange(a, e)[None, :]
+        logits = [torch.einsum("bqhd,bkd->bhqk", qb, keys).mul(scale).masked_fill((j > i) | (j <= i - window),
+                                                                                   float("-inf"))]
+        if n and picks is None:  # HCA: every entry this block's last query may see, masked per query
+            ents = entries[:, :int(causal_entries(positions[e - 1], rate))]
+            hidden = torch.arange(ents.shape[1])[None, :] >= causal_entries(positions[s:e], rate)[:, None]
+            logits.append(torch.einsum("bqhd,bkd->bhqk", qb, ents).mul(scale).masked_fill(hidden, float("-inf")))
+        elif n:  # CSA: each query's own picks, gathered
+            sel = picks[:, s:e]
+            ents = entries[torch.arange(B)[:, None, None], sel.clamp(min=0)]  # [B, b, k, D]
+            logits.append(torch.einsum("bqhd,bqkd->bhqk", qb, ents).mul(scale)
+                          .masked_fill((sel < 0)[:, None], float("-inf")))
+        logits.append(sinks.reshape(1, -1, 1, 1).expand(B, -1, e - s, 1).to(qb.dtype))
+        widths = [t.shape[-1] for t in logits]
+        joint = torch.cat(logits, -1)
+        probs = (joint - joint.max(dim=-1, keepdim=True).values).softmax(-1).to(kv.dtype)
+        parts = probs.split(widths, -1)
+        o = torch.einsum("bhqk,bkd->bqhd", parts[0], keys)
+        if n and picks is None:
+            o = o + torch.einsum("bhqk,bkd->bqhd", parts[1], ents)
+        elif n:
+            o = o + torch.einsum("bhqk,bqkd->bqhd", parts[1], ents)
+        out[:, s:e] = o
+    return out
+
+
+class GroupedOutput(ColumnParallelLinear):
+    """V4's grouped low-rank output (wo_a): head group g maps its heads' outputs to its own o_lora block. Its weight
+    is a column-parallel [groups × o_lora, heads × head_dim / groups] split by whole groups, so a rank's groups
+    are those of its own heads and nothing is communicated; forward is one batched GEMM over local groups."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., local groups, in] -> [..., local groups, o_lora]."""
+        groups, fan_in = x.shape[-2], x.shape[-1]
+        w = self.weight.view(groups, -1, fan_in).transpose(1, 2)
+        y = torch.bmm(x.reshape(-1, groups, fan_in).transpose(0, 1), w).transpose(0, 1)
+        return y.reshape(*x.shape[:-1], -1)
+
+
+@dataclass
+class V4AttentionSubmodules:
+    linear_q_down_proj: type = None  # replicated
+    linear_q_up_proj: type = None  # column-parallel by heads
+    linear_kv: type = None  # replicated (the one K=V head)
+    linear_o_a: type = GroupedOutput
+    linear_proj: type = None  # row-parallel (wo_b)
+    replicated: type = None  # the compressors' and the indexer's projections
+
+
+class V4Attention(MegatronModule):
+    def __init__(self, config, submodules: V4AttentionSubmodules, dims: V4Dims, layer_type: str, pg_collection):
+        super().__init__(config)
+        tp = pg_collection.tp.size()
+        H, D, g = dims.heads, dims.head_dim, dims.o_groups
+        self.heads, self.groups, self.head_dim = H // tp, g // tp, D
+        self.window, self.eps, self.scale = dims.window, dims.eps, D ** -0.5
+        kw = dict(config=config, init_method=config.init_method, bias=False)
+        self.linear_q_down_proj = build_module(submodules.linear_q_down_proj, dims.hidden, dims.q_lora, **kw)
+        self.q_layernorm = RMSNorm(dims.q_lora, dims.eps)
+        self.linear_q_up_proj = build_module(submodules.linear_q_up_proj, dims.q_lora, H * D, gather_output=False,
+                                             tp_group=pg_collection.tp, **kw)
+        self.linear_kv = build_module(submodules.linear_kv, dims.hidden, D, **kw)
+        self.kv_layernorm = RMSNorm(D, dims.eps)
+        self.linear_o_a = build_module(submodules.linear_o_a, H * D // g, g * dims.o_lora, gather_output=False,
+                                       tp_group=pg_collection.tp, **kw)
+        self.linear_proj = build_module(submodules.linear_proj, g * dims.o_lora, dims.hidden, input_is_parallel=True,
+                                        skip_bias_add=False, tp_group=pg_collection.tp, **kw)
+        self.sinks = nn.Parameter(torch.empty(H // tp, dtype=torch.float32))
+        self.rope_kind = "main" if layer_type == "sliding_attention" else "compress"
+        self.rate, self.compressor, self.indexer = 1, None, None
+        if layer_type != "sliding_attention":
+            csa = layer_type == "compressed_sparse_attention"
+            self.rate = dims.csa_rate if csa else dims.hca_rate
+            self.compressor = Compressor(config, submodules.replicated, D, self.rate, csa, dims)
+            if csa:
+                self.indexer = Indexer(config, submodules.replicated, dims)
+
+    def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        """hidden [T, B, d] (megatron's layout) -> [T, B, d]."""
+        x = hidden.transpose(0, 1)
+        B, T, _ = x.shape
+        rope = ctx.rope[self.rope_kind]
+        cos, sin = rope(ctx.positions, x.dtype)
+        q_res = self.q_layernorm(self.linear_q_down_proj(x)[0])
+        q = unweighted_rms(self.linear_q_up_proj(q_res)[0].view(B, T, self.heads, self.head_dim), self.eps)
+        q = rotate(q, cos[:, None], sin[:, None])
+        kv = rotate(self.kv_layernorm(self.linear_kv(x)[0]), cos, sin)
+        entries = picks = None
+        if self.compressor is not None:
+            entries = self.compressor(x, ctx.rope["compress"])
+            if self.indexer is not None:
+                picks = self.indexer(x, q_res, ctx.rope["compress"], ctx.positions)
+        out = sparse_attention(q, kv, self.sinks, self.scale, self.window, entries, self.rate, picks, ctx.positions)
+        out = rotate(out, cos[:, None], -sin[:, None])  # K=V carried RoPE into the values: undo it at the query
+        out = self.linear_o_a(out.reshape(B, T, self.groups, -1)).flatten(2)
+        out, _ = self.linear_proj(out)
+        return out.transpose(0, 1).contiguous()
+

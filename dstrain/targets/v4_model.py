@@ -1,0 +1,206 @@
+"""DeepSeek-V4's layer and model on megatron-core: mHC residual streams around every sublayer, V4's router
+(sqrt-softplus scores with a selection bias, or a frozen token-id → expert hash table) on megatron's MoELayer
+with its all-to-all dispatcher, SequentialMLP experts and SharedExpertMLP (clamped SwiGLU through
+`activation_func_clamp_value`), and the final hc head + norm.
+
+The model is ours, not GPTModel: V4's residual is n streams [T, B, n, d] from the embedding to the hc head,
+and hash routing needs the token ids inside every layer, on every pipeline stage. It keeps the surface
+MegatronTarget uses (decoder.layers for capture hooks, decoder.final_layernorm, set_input_tensor, pre/post
+process) and adds `readout` (a captured layer's streams through the hc head, as transformers' users read V4),
+`stage_width` (the n·d a stage sends its successor: all streams cross the boundary) and `needs_input_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import VocabParallelEmbedding
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from torch import nn
+
+from dstrain.targets.v4_attention import RMSNorm, Rope, V4Dims, unweighted_rms
+
+
+class HyperConnection(nn.Module):
+    """mHC around one sublayer: from the n streams, a pre-mix (streams → sublayer input), a post-mix (sublayer
+    output → streams) and a stream-mixing matrix made doubly stochastic by Sinkhorn-Knopp. fp32 throughout."""
+
+    def __init__(self, dims: V4Dims):
+        super().__init__()
+        n = dims.hc_mult
+        self.n, self.iters, self.hc_eps, self.eps = n, dims.hc_iters, dims.hc_eps, dims.eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * dims.hidden, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor):
+        """streams [..., n, d] -> (post [..., n], comb [..., n, n], sublayer input [..., d])."""
+        n, eps = self.n, self.hc_eps
+        mix = F.linear(unweighted_rms(streams.flatten(-2).float(), self.eps), self.fn.float())
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], n, n) * s_comb + comb_b.view(n, n), dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+
+
+class HyperHead(nn.Module):
+    """The final collapse of the n streams (hc_head): a learned, input-dependent weighted sum."""
+
+    def __init__(self, dims: V4Dims):
+        super().__init__()
+        n = dims.hc_mult
+        self.eps, self.hc_eps = dims.eps, dims.hc_eps
+        self.hc_fn = nn.Parameter(torch.empty(n, n * dims.hidden, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mix = F.linear(unweighted_rms(streams.flatten(-2).float(), self.eps), self.hc_fn.float())
+        pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+
+
+SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
+
+
+class V4Router(TopKRouter):
+    """megatron's TopKRouter (gate weight, fp32 gating, its expert_bias buffer) with V4's routing: scores
+    s = score_fn(logits); experts = top-k of s + bias, or `tid2eid[token id]` on hash layers; weights = the
+    chosen s, renormalised, × routed_scaling_factor. A hash table may name an expert twice: its weights add."""
+
+    def __init__(self, config, pg_collection=None, *, dims: V4Dims, hashed: bool):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.hashed, self.score, self.routed_scale = hashed, SCORES[dims.scoring], dims.routed_scale
+        self.token_ids: torch.Tensor | None = None  # [T·B] in megatron's token order, set by the layer per forward
+        if hashed:  # no selection bias on hash layers: the table picks
+            del self.expert_bias
+            self.expert_bias = None
+            self.register_buffer("tid2eid", torch.zeros(dims.vocab, self.topk, dtype=torch.long))
+
+    def routing(self, logits: torch.Tensor, padding_mask=None):
+        logits = logits.view(-1, self.config.num_moe_experts)
+        scores = self.score(logits)
+        if self.hashed:
+            picks = self.tid2eid[self.token_ids].long()
+        else:
+            picks = torch.topk(scores + self.expert_bias, self.topk, dim=-1, sorted=False).indices
+        weights = scores.gather(1, picks)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scale
+        probs = torch.zeros_like(scores).scatter_add_(1, picks, weights)
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, picks, True)
+        return probs, routing_map
+
+
+@dataclass
+class V4LayerSubmodules:
+    self_attention: ModuleSpec = None
+    mlp: ModuleSpec = None
+
+
+@dataclass
+class Context:
+    """Per-forward inputs every layer reads."""
+
+    positions: torch.Tensor  # [T]
+    rope: dict[str, Rope]
+    token_ids: torch.Tensor | None = None  # [T·B]
+
+
+class V4Layer(MegatronModule):
+    """One V4 block on the n streams: attention and MoE, each between an mHC pre-mix and post-mix."""
+
+    def __init__(self, config, submodules: V4LayerSubmodules, layer_number: int, pg_collection, dims: V4Dims,
+                 layer_type: str, hashed: bool):
+        super().__init__(config)
+        self.hashed = hashed
+        self.attn_hc, self.ffn_hc = HyperConnection(dims), HyperConnection(dims)
+        self.input_layernorm = RMSNorm(dims.hidden, dims.eps)
+        self.self_attention = build_module(submodules.self_attention, config=config, dims=dims, layer_type=layer_type,
+                                           pg_collection=pg_collection)
+        self.pre_mlp_layernorm = RMSNorm(dims.hidden, dims.eps)
+        self.mlp = build_module(submodules.mlp, config=config, layer_number=layer_number, pg_collection=pg_collection)
+
+    @staticmethod
+    def _merge(post, comb, out, streams):
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)  # comb[j, k] takes stream j into stream k
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+
+    def forward(self, streams: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """streams [T, B, n, d] -> [T, B, n, d]."""
+        post, comb, x = self.attn_hc(streams)
+        streams = self._merge(post, comb, self.self_attention(self.input_layernorm(x), ctx), streams)
+        post, comb, x = self.ffn_hc(streams)
+        if self.hashed:
+            self.mlp.router.token_ids = ctx.token_ids
+        try:
+            out, _ = self.mlp(self.pre_mlp_layernorm(x))
+        finally:
+            self.mlp.router.token_ids = None
+        return self._merge(post, comb, out, streams)
+
+
+class V4Block(MegatronModule):
+    """A stage's layers (global indices offset.. offset+len), the hc head, and on the last stage the final norm."""
+
+    def __init__(self, config, layer_specs: list[ModuleSpec], offset: int, dims: V4Dims, post_process: bool,
+                 pg_collection):
+        super().__init__(config)
+        self.layers = nn.ModuleList(build_module(spec, config=config, layer_number=offset + i + 1,
+                                                 pg_collection=pg_collection) for i, spec in enumerate(layer_specs))
+        self.hc_head = HyperHead(dims)  # every stage: captured layers are read out through it
+        self.final_layernorm = RMSNorm(dims.hidden, dims.eps) if post_process else None
+
+
+class V4Model(MegatronModule):
+    """One pipeline stage of DeepSeek-V4 (first: embedding; last: hc head + final norm, no LM head)."""
+
+    needs_input_ids = True
+
+    def __init__(self, config, layer_specs: list[ModuleSpec], dims: V4Dims, rope: dict[str, Rope], pre_process: bool,
+                 post_process: bool, pg_collection):
+        super().__init__(config)
+        self.dims, self.rope, self.pre_process, self.post_process = dims, rope, pre_process, post_process
+        self.stage_width = dims.hc_mult * dims.hidden
+        pp, stage = pg_collection.pp.size(), pg_collection.pp.rank()
+        per = len(layer_specs) // pp
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(dims.vocab, dims.hidden, init_method=config.init_method,
+                                                    config=config, tp_group=pg_collection.tp)
+        self.decoder = V4Block(config, layer_specs[stage * per:(stage + 1) * per], stage * per, dims, post_process,
+                               pg_collection)
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor) -> None:
+        self.input_tensor = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
+
+    def readout(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.decoder.hc_head(streams)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
+        """input_ids [B, T] on every stage (hash routing); returns the last stage's final-norm states [T, B, d],
+        or a middle stage's streams flattened to [T, B, n·d] for the next stage."""
+        n, d = self.dims.hc_mult, self.dims.hidden
+        B, T = input_ids.shape
+        if self.pre_process:
+            x = self.embedding(input_ids.t().contiguous())  # [T, B, d]
+            streams = x.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
+        else:
+            streams = self.input_tensor.view(T, B, n, d)
+        ctx = Context(positions=position_ids[0], rope=self.rope, token_ids=input_ids.t().reshape(-1))
+        for layer in self.decoder.layers:
+            streams = layer(streams, ctx)
+        if not self.post_process:
+            return streams.flatten(2)
+        return self.decoder.final_layernorm(self.decoder.hc_head(streams))
