@@ -1,0 +1,68 @@
+"""Device placement that a CPU-only machine can check: run.device resolution and its one-line errors, the
+DeepSpeed accelerator choice, packed batches moving as a whole, the losses' GEMM dispatch off CUDA."""
+
+import pytest
+import torch
+
+from conftest import run_tool
+from dstrain.data.packing import pack_blocks
+from dstrain.errors import UserError
+from dstrain.recipe import parse_recipe
+from dstrain.world import run_device, select_deepspeed_accelerator
+
+needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answers")
+
+
+def recipe(**run):
+    world = run.pop("world", {})
+    return parse_recipe({"run": run, "world": world, "target": {"name": "t", "source": "random", "hf_config": {"model_type": "llama"}},
+                         "data": {"shards": "x"}})
+
+
+@needs_no_gpu
+def test_run_device_resolution_and_errors():
+    assert recipe().run.device == "auto" and run_device(recipe()) == torch.device("cpu")
+    assert run_device(recipe(device="cpu")) == torch.device("cpu")
+    with pytest.raises(UserError, match="run.device=cuda but torch .* sees no CUDA device"):
+        run_device(recipe(device="cuda"))
+    disagg = {"mode": "disaggregated", "drafter_ranks": 1}
+    assert run_device(recipe(world=disagg)) == torch.device("cpu")
+    with pytest.raises(UserError, match="disaggregated runs stream target features as CPU tensors"):
+        run_device(recipe(device="cuda", world=disagg))
+
+
+@needs_no_gpu
+def test_cli_refuses_cuda_without_a_gpu(tmp_path):
+    proc = run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={tmp_path}", "run.device=cuda", check=False)
+    assert proc.returncode == 2 and "run.device=cuda" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_deepspeed_accelerator_must_agree_with_the_device(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    with pytest.raises(UserError, match="DS_ACCELERATOR=cuda contradicts run.device=cpu"):
+        select_deepspeed_accelerator(torch.device("cpu"))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    select_deepspeed_accelerator(torch.device("cpu"))
+    from deepspeed.accelerator import get_accelerator
+
+    assert get_accelerator()._name == "cpu"
+
+
+def test_packed_blocks_move_as_a_whole():
+    ids = [torch.arange(3, 40), torch.arange(5, 30)]
+    masks = [torch.ones(len(x), dtype=torch.bool) for x in ids]
+    packed = pack_blocks(ids, masks, [torch.tensor([4, 20]), torch.tensor([10])], 4, 0, window=8)
+    assert packed.to("cpu") is packed
+    moved = packed.to("meta")
+    for name, value in vars(moved).items():
+        assert value.device.type == "meta" and value.shape == getattr(packed, name).shape, name
+
+
+def test_losses_keep_upcast_gemms_off_cuda():
+    from dstrain.train.losses import _gemm, _lowp_gemms
+
+    a, b = torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(8, 3, dtype=torch.bfloat16)
+    assert not _lowp_gemms(a, None, b)  # CPU bf16: operands upcast, as before
+    out = _gemm(a, b, lowp=False)
+    assert out.dtype == torch.float32 and torch.equal(out, a.float() @ b.float())
+    assert _gemm(a.double(), b.float(), lowp=False).dtype == torch.float64
