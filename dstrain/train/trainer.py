@@ -135,7 +135,12 @@ class Trainer:
             if out.confidence_logits is not None:
                 confs.append(torch.sigmoid(out.confidence_logits.detach().float())[valid])
                 labels.append(accept[valid])
-        for m in self.drafter.moe_layers():
+        moe = self.drafter.moe_layers()
+        if any(m.balance == "bias_update" for m in moe):  # every replica nudges its bias by the global load, so the
+            loads = _all_reduce(torch.stack([m.last_load for m in moe]), self.group) / self.dp_world  # copies stay equal
+            for m, load in zip(moe, loads):
+                m.last_load = load
+        for m in moe:
             m.update_route_bias()
         stats = torch.cat([torch.tensor([acc["ce"], acc["tv"], acc["conf"], acc["aux"], float(tokens)], device=self.device), pos_acc, pos_n])
         stats = _all_reduce(stats, self.group)
