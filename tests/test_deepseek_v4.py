@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, run_tool
 from dstrain.errors import UserError
 from dstrain.targets import v4_attention
 from dstrain.targets.deepseek_v4 import ADAPTER, rank_plan
@@ -143,3 +143,11 @@ def test_parity_at_tp2_pp2_ep2_and_all_three():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.split("PARITY ", 1)[1].splitlines()[0])
     check(report, {"tp2", "pp2", "ep2", "tp2_ep2_pp2"})
+
+
+@pytest.mark.parametrize("recipe", ["v4_flash", "v4_pro"])
+def test_flagship_dry_run_plans_the_megatron_backend(recipe):
+    out = run_tool("dstrain/main.py", f"recipes/{recipe}.yaml", "--dry-run").stdout
+    print(out)
+    assert "[backend=megatron, bfloat16]" in out and "not built" not in out
+    assert "weights (shard plan)" in out  # sized from the V4 adapter's own shard plan

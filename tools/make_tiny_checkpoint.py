@@ -8,6 +8,7 @@ float8_e4m3fn with a float32 `weight_scale_inv` per --block × --block tile; nor
 LM head (and DeepSeek-V4's compressor / indexer scoring projections) stay BF16.
 
   tools/make_tiny_checkpoint.py --family deepseek_v3 --fp8 --block 8 /tmp/v3-fp8
+  tools/make_tiny_checkpoint.py --family deepseek_v4 --fp8 --block 8 --tokenizer /tmp/v4-flash-tiny
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true", help="DeepSeek block-FP8 layout (float8_e4m3fn + weight_scale_inv)")
     ap.add_argument("--block", type=int, default=128, help="FP8 block size (small values make tiny tensors span blocks)")
     ap.add_argument("--not-convert", default="", help="comma-separated modules to keep unquantised (modules_to_not_convert)")
+    ap.add_argument("--tokenizer", action="store_true",
+                    help="also write a word-level tokenizer over the vocabulary (a recipe can then use the folder as target.path)")
     args = ap.parse_args()
 
     from dstrain.targets.tiny_checkpoint import family_config, write_checkpoint
@@ -50,6 +53,10 @@ def main() -> int:
     shards = args.shards or (1 if args.family in SINGLE_FILE else 4)
     skip = [m for m in args.not_convert.split(",") if m]
     write_checkpoint(out, hf_config, seed=args.seed, shards=shards, fp8_block=args.block if args.fp8 else None, skip=skip)
+    if args.tokenizer:
+        from dstrain.targets.tiny_checkpoint import write_tokenizer
+
+        print(f"tokenizer fingerprint {write_tokenizer(out, hf_config['vocab_size'])}")
     files = sorted(p.name for p in out.glob("*.safetensors"))
     size = sum((out / f).stat().st_size for f in files)
     print(f"wrote {out}: {hf_config['model_type']}, {len(files)} safetensors file(s), {size / 2**20:.2f} MiB"

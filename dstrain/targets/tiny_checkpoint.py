@@ -121,6 +121,7 @@ def write_checkpoint(out: str | Path, hf_config: dict, *, seed: int = 0, shards:
 
     out = Path(out)
     model = random_model(hf_config, seed, "float32")
+    hash_tables(model, seed)
     if widen != 1.0:
         with torch.no_grad():
             for p in model.parameters():
@@ -132,6 +133,34 @@ def write_checkpoint(out: str | Path, hf_config: dict, *, seed: int = 0, shards:
     if fp8_block:
         quantise_fp8(out, fp8_block, skip)
     return out
+
+
+def write_tokenizer(folder: str | Path, vocab_size: int) -> str:
+    """A word-level tokenizer over the tiny vocabulary ("t0" … "t{V-1}"), so a recipe can point `target.path` at a
+    tiny checkpoint (the loader checks shards against the target folder's tokenizer). Returns its fingerprint."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    from dstrain.data.tokenize import tokenizer_fingerprint
+
+    core = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    core.pre_tokenizer = WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0", bos_token="t1", eos_token="t2")
+    tok.save_pretrained(folder)
+    return tokenizer_fingerprint(tok)
+
+
+def hash_tables(model, seed: int) -> None:
+    """DeepSeek-V4's hash-routed layers: transformers initialises `tid2eid` to zeros (every token to expert 0,
+    twice); write what a trained checkpoint holds instead, k distinct experts per token id (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, table in model.named_buffers():
+            if name.endswith("tid2eid"):
+                E = model.config.n_routed_experts
+                table.copy_(torch.stack([torch.randperm(E, generator=g)[:table.shape[1]] for _ in range(table.shape[0])]))
 
 
 def _cache_root() -> Path:

@@ -1,0 +1,93 @@
+"""The flagship command on CPU: `torchrun dstrain/main.py recipes/v4_flash.yaml` with overrides pointing at a tiny
+random DeepSeek-V4 checkpoint (V4-Flash's storage: block-FP8 linears, BF16 compressor / indexer projections), its
+megatron target ranks streaming to DeepSpeed drafter ranks, a checkpoint, and a resume.
+
+Two launches of 4 ranks (2 drafters + 2 target ranks): (1) tests/dist/run_recipes.py runs the recipe for 6 steps
+(checkpoints at 3 and 6) with a TP=2 × EP=2 target, then with a PP=2 target; (2) after the PP=2 run's step-6
+checkpoint is removed (a crash after step 3), the flagship command itself resumes it. Checks: both target layouts
+give the same losses, features crossed the channel, checkpoints exist, the resumed steps 4-6 equal the originals.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, free_port
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-5  # fp32 loss agreement, absolute
+
+V4 = dict(model_type="deepseek_v4", vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+          num_key_value_heads=1, head_dim=16, q_lora_rank=16, o_groups=2, o_lora_rank=16, moe_intermediate_size=24,
+          n_routed_experts=4, num_experts_per_tok=2, hc_mult=2, hc_sinkhorn_iters=3, index_n_heads=2, index_head_dim=8,
+          index_topk=4, sliding_window=16, max_position_embeddings=256, partial_rotary_factor=0.25,
+          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+          layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                       "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"])
+
+
+def overrides(ckpt, shards, out, layout: list[str], steps: int) -> list[str]:
+    return [f"target.path={ckpt}", "target.dtype=float32", "deepspeed.precision=fp32", "world.drafter_ranks=2",
+            "world.target.dp=1", *layout, "drafter.num_heads=4", "drafter.head_dim=8", "drafter.ffn.num_experts=4",
+            "drafter.ffn.intermediate_size=32", "drafter.head_rank=16", "drafter.sliding_window=16",
+            f"data.shards={shards}", "data.max_length=96", "data.shuffle=false", "anchors.per_sequence=8",
+            f"train.steps={steps}", "train.micro_batch_size=1", "train.grad_accum=1", "train.warmup_steps=1",
+            "train.log_every=1", "train.checkpoint_every=3", "run.wandb_mode=disabled", f"run.output_dir={out}"]
+
+
+TP_EP = ["world.target.tp=2", "world.target.ep=2", "world.target.pp=1"]
+PP = ["world.target.tp=1", "world.target.ep=1", "world.target.pp=2"]
+
+
+def torchrun(*args, timeout=600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                           str(free_port()), *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_path):
+    from dstrain.data.shards import synthetic_shards
+    from dstrain.targets.tiny_checkpoint import write_checkpoint, write_tokenizer
+
+    ckpt = write_checkpoint(tmp_path / "v4-tiny", V4, seed=0, shards=4, fp8_block=8, widen=3.0)
+    shards = tmp_path / "shards"
+    synthetic_shards(str(shards), "DeepSeek-V4-Flash", 128, 48, lengths=(60, 96), seed=0)
+    manifest = json.loads((shards / "manifest.json").read_text())  # made with the checkpoint's tokenizer
+    manifest["tokenizer"]["fingerprint"] = write_tokenizer(ckpt, 128)
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    a, b = tmp_path / "tp_ep", tmp_path / "pp"
+    plans = [overrides(ckpt, shards, a, TP_EP, 6), overrides(ckpt, shards, b, PP, 6)]
+    torchrun("tests/dist/run_recipes.py", "recipes/v4_flash.yaml", json.dumps(plans))
+    run_a, run_b = a / "v4-flash-dspark", b / "v4-flash-dspark"
+    ref, pp = losses(run_a), losses(run_b)
+    assert len(ref) == 6 and len(pp) == 6, (ref, pp)
+    worst = max(abs(x - y) for x, y in zip(ref, pp))
+    print(f"V4-Flash recipe on CPU: losses {[round(x, 4) for x in ref]}; TP2xEP2 vs PP2 target max |Δloss| {worst:.2e}")
+    assert worst < TOL, (ref, pp)
+    assert min(ref[3:]) < ref[0]
+    for run in (run_a, run_b):
+        assert (run / "checkpoints" / "latest").read_text().strip() == "step-6"
+        metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+        assert all(m["channel_bytes_per_step"] > 0 for m in metrics)
+
+    # the PP=2 run "crashes" after its step-3 checkpoint; the flagship command resumes it
+    ckpts = run_b / "checkpoints"
+    shutil.rmtree(ckpts / "step-6")
+    (ckpts / "latest").write_text("step-3")
+    torchrun("dstrain/main.py", "recipes/v4_flash.yaml", *overrides(ckpt, shards, b, PP, 6))
+    resumed = losses(run_b)[-3:]
+    worst = max(abs(x - y) for x, y in zip(resumed, pp[3:]))
+    print(f"resumed at step 3: steps 4-6 max |Δloss| {worst:.2e} against the uninterrupted run")
+    assert worst < TOL, (pp, resumed)
+    assert (ckpts / "latest").read_text().strip() == "step-6"
