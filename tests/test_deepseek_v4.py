@@ -151,3 +151,14 @@ def test_flagship_dry_run_plans_the_megatron_backend(recipe):
     print(out)
     assert "[backend=megatron, bfloat16]" in out and "not built" not in out
     assert "weights (shard plan)" in out  # sized from the V4 adapter's own shard plan
+
+
+def test_attention_memory_tool_compares_equal_outputs():
+    """tools/bench_v4_attention.py (the T=8192 measurement) at a short T: both implementations run, outputs agree."""
+    out = run_tool("tools/bench_v4_attention.py", "--seq", "384").stdout
+    print(out)
+    rows = [line for line in out.splitlines() if line.strip().startswith(("csa:", "hca:"))]
+    assert len(rows) == 2
+    for row in rows:
+        assert "dense" in row and "dstrain" in row
+        assert float(row.split("max |Δ|")[1].split()[0]) < 1e-5
