@@ -162,3 +162,34 @@ def test_attention_memory_tool_compares_equal_outputs():
     for row in rows:
         assert "dense" in row and "dstrain" in row
         assert float(row.split("max |Δ|")[1].split()[0]) < 1e-5
+
+
+def test_deepseek_release_names_load_like_transformers_names(tmp_path):
+    """DeepSeek's own V4 release has no "model." prefix and says `embed`, `hc_head_fn` (transformers'
+    conversion_mapping); a plan in save_pretrained's names reads the same tensors from either spelling."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from dstrain.targets.checkpoint import CheckpointReader
+    from dstrain.targets.hf import random_model
+
+    ours, release = tmp_path / "save_pretrained", tmp_path / "release"
+    model = random_model({**TINY["deepseek_v4"], "n_routed_experts": 8}, seed=0)
+    model.save_pretrained(ours)
+    release.mkdir()
+    renamed = {k.removeprefix("model.").replace("embed_tokens.", "embed.").replace("hc_head.hc_", "hc_head_"): v
+               for k, v in load_file(ours / "model.safetensors").items()}
+    assert {"embed.weight", "hc_head_fn", "norm.weight", "layers.3.attn.indexer.wq_b.weight"} <= set(renamed)
+    save_file(renamed, release / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(ours / "config.json", release / "config.json")
+    again = AutoModelForCausalLM.from_pretrained(release, dtype=torch.float32).state_dict()  # transformers agrees
+    assert all(torch.equal(t, again[k]) for k, t in model.state_dict().items())
+    with CheckpointReader(ours) as a, CheckpointReader(release) as b:
+        for t in range(2):
+            for e in range(2):
+                for s in range(2):
+                    for p in rank_plan(model.config, RankCoords(2, t, 2, e, 2, s, 4)):
+                        for r in p.reads:
+                            assert torch.equal(a.read(r), b.read(r)), r.key

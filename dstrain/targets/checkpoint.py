@@ -36,6 +36,10 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")  # transformers renames V4-Flash's `.scale` to the former
+# Plans name tensors as transformers' save_pretrained writes them; DeepSeek-V4's own release names some differently
+# (no "model." prefix, `embed`, `hc_head_fn`: transformers' conversion_mapping "deepseek_v4"). A key absent from the
+# checkpoint is looked up under these variants, first match wins.
+KEY_VARIANTS = (("model.embed_tokens.", "embed."), ("model.hc_head.hc_", "hc_head_"), ("model.", ""))
 QUANT_METHODS = ("fp8",)
 FP4_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
@@ -119,12 +123,22 @@ class CheckpointReader:
     def keys(self) -> list[str]:
         return list(self._where)
 
+    def _resolve(self, key: str) -> str | None:
+        """The checkpoint's own name for `key` (itself, or a KEY_VARIANTS spelling), None if absent."""
+        if key in self._where:
+            return key
+        for plan_prefix, disk_prefix in KEY_VARIANTS:
+            if key.startswith(plan_prefix) and disk_prefix + key[len(plan_prefix):] in self._where:
+                return disk_prefix + key[len(plan_prefix):]
+        return None
+
     def __contains__(self, key: str) -> bool:
-        return key in self._where
+        return self._resolve(key) is not None
 
     def entry(self, key: str) -> Entry:
-        if key not in self._where:
-            raise UserError(f"checkpoint {self.folder}: no tensor {key} (wrong family mapping or an incomplete checkpoint)")
+        asked, key = key, self._resolve(key)
+        if key is None:
+            raise UserError(f"checkpoint {self.folder}: no tensor {asked} (wrong family mapping or an incomplete checkpoint)")
         entry = self._header(self._where[key]).get(key)
         if entry is None:
             raise UserError(f"checkpoint {self.folder}: {key} is listed in the index but absent from {self._where[key]}")
@@ -135,7 +149,7 @@ class CheckpointReader:
             return None
         base = key[: -len(".weight")]
         for suffix in SCALE_SUFFIXES:
-            if base + suffix in self._where:
+            if base + suffix in self:
                 return self.entry(base + suffix)
         return None
 
