@@ -53,7 +53,7 @@ class Rope:
         self.inv_freq, self.scaling = inv_freq, scaling
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
         return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
 
 
@@ -121,7 +121,7 @@ class Compressor(MegatronModule):
             both_kv[:, 1:, :m], both_gate[:, 1:, :m] = kv[:, :-1, :, :D], gate[:, :-1, :, :D]
             kv, gate = both_kv, both_gate
         pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
-        cos, sin = rope(torch.arange(n) * m, pooled.dtype)
+        cos, sin = rope(torch.arange(n, device=x.device) * m, pooled.dtype)
         return rotate(pooled, cos, sin)
 
 
@@ -152,7 +152,7 @@ class Indexer(MegatronModule):
         keys = self.compressor(x, rope)  # [B, n, c]
         n = keys.shape[1]
         if n == 0:
-            return torch.empty(B, T, 0, dtype=torch.long)
+            return torch.empty(B, T, 0, dtype=torch.long, device=x.device)
         cos, sin = rope(positions, x.dtype)
         q = rotate(self.linear_q_up_proj(q_res)[0].view(B, T, self.heads, self.dim), cos[:, None], sin[:, None])
         w = self.linear_weights(x)[0].float() * self.heads ** -0.5
@@ -163,7 +163,7 @@ class Indexer(MegatronModule):
             scores = F.relu(torch.matmul(q[:, s:e].float(), keys_t)) * self.dim ** -0.5  # [B, b, H_I, n]
             scores = (scores * w[:, s:e].unsqueeze(-1)).sum(dim=2)
             seen = causal_entries(positions[s:e], self.rate)[:, None]  # [b, 1]
-            scores = scores.masked_fill(torch.arange(n) >= seen, float("-inf"))
+            scores = scores.masked_fill(torch.arange(n, device=x.device) >= seen, float("-inf"))
             top = stable_topk(scores, min(self.topk, n))
             picks.append(torch.where(top >= seen, torch.full_like(top, -1), top))
         return torch.cat(picks, 1)
@@ -174,23 +174,24 @@ def sparse_attention(q, kv, sinks, scale: float, window: int, entries=None, rate
     """q [B, T, H, D], shared K=V kv [B, T, D], sinks [H]; optional compressed entries [B, n, D], seen causally
     (HCA, `picks` None) or through the indexer's picks [B, T, k] (CSA). Returns [B, T, H, D]."""
     B, T, H, _ = q.shape
-    positions = torch.arange(T) if positions is None else positions
+    dev = q.device
+    positions = torch.arange(T, device=dev) if positions is None else positions
     out = torch.empty_like(q)
     n = 0 if entries is None else entries.shape[1]
     for s in range(0, T, QUERY_BLOCK):
         e = min(T, s + QUERY_BLOCK)
         a = max(0, s - window + 1)
         qb, keys = q[:, s:e], kv[:, a:e]
-        i, j = torch.arange(s, e)[:, None], torch.arange(a, e)[None, :]
+        i, j = torch.arange(s, e, device=dev)[:, None], torch.arange(a, e, device=dev)[None, :]
         logits = [torch.einsum("bqhd,bkd->bhqk", qb, keys).mul(scale).masked_fill((j > i) | (j <= i - window),
                                                                                    float("-inf"))]
         if n and picks is None:  # HCA: every entry this block's last query may see, masked per query
             ents = entries[:, :int(causal_entries(positions[e - 1], rate))]
-            hidden = torch.arange(ents.shape[1])[None, :] >= causal_entries(positions[s:e], rate)[:, None]
+            hidden = torch.arange(ents.shape[1], device=dev)[None, :] >= causal_entries(positions[s:e], rate)[:, None]
             logits.append(torch.einsum("bqhd,bkd->bhqk", qb, ents).mul(scale).masked_fill(hidden, float("-inf")))
         elif n:  # CSA: each query's own picks, gathered
             sel = picks[:, s:e]
-            ents = entries[torch.arange(B)[:, None, None], sel.clamp(min=0)]  # [B, b, k, D]
+            ents = entries[torch.arange(B, device=dev)[:, None, None], sel.clamp(min=0)]  # [B, b, k, D]
             logits.append(torch.einsum("bqhd,bqkd->bhqk", qb, ents).mul(scale)
                           .masked_fill((sel < 0)[:, None], float("-inf")))
         logits.append(sinks.reshape(1, -1, 1, 1).expand(B, -1, e - s, 1).to(qb.dtype))
