@@ -113,15 +113,18 @@ def meta_drafter(recipe, cfg, num_capture: int):
         return build_drafter(recipe.drafter, spec, torch.nn.Embedding(spec.vocab_size, spec.hidden_size))
 
 
-def balance_verdict(flops: StepFlops, target_ranks: int, drafter_ranks: int) -> tuple[str, str | None]:
+def balance_verdict(flops: StepFlops, target_ranks: int, drafter_ranks: int, replicas: int = 1) -> tuple[str, str | None]:
     """A line on the layout's balance, and a warning when one side waits more than 2x on the other."""
     have = target_ranks / drafter_ranks
     want = flops.balanced_ratio
     line = (f"balanced target:drafter rank ratio {want:.2f}:1 (equal FLOP/s per rank assumed); "
             f"this layout has {target_ranks}:{drafter_ranks} = {have:.2f}:1")
     if have < want / 2:
-        return line, (f"WARNING: the target side is {want / have:.1f}x short of ranks: drafter ranks will wait on the "
-                      f"channel; add target replicas (world.target.dp) or use fewer drafter ranks")
+        fix = "add target replicas (world.target.dp) or use fewer drafter ranks"
+        if drafter_ranks == replicas:  # every replica feeds >= 1 drafter rank: the ratio cannot pass tp*pp
+            fix = (f"each target replica feeds at least one drafter rank, so the ratio is at most tp*pp = "
+                   f"{target_ranks // replicas}: raise world.target.tp/pp, or accept drafter ranks waiting")
+        return line, f"WARNING: the target side is {want / have:.1f}x short of ranks: drafter ranks will wait on the channel; {fix}"
     if have > want * 2:
         return line, (f"WARNING: the drafter side is {have / want:.1f}x short of ranks: target ranks will wait on "
                       f"back-pressure; add drafter ranks (world.drafter_ranks) or use fewer target replicas")

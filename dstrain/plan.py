@@ -188,7 +188,7 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
         f" = {_n(f.drafter_per_sequence)}FLOP")
     add("           drafter FLOP/position: " + ", ".join(f"{k} {v / f.drafter_per_position:.0%}" for k, v in f.parts.items()))
     if w.mode == "disaggregated":
-        line, warning = balance_verdict(f, t.tp * t.pp * t.dp, w.drafter_ranks)
+        line, warning = balance_verdict(f, t.tp * t.pp * t.dp, w.drafter_ranks, t.dp)
         add(f"  balance  {line}")
         if warning:
             add(f"           {warning}")

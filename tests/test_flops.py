@@ -62,3 +62,5 @@ def test_drafter_vocab_floor_and_balance():
     assert short_target and "target side" in short_target
     short_drafter = balance_verdict(f, round(3 * ratio * 4), 4)[1]
     assert short_drafter and "drafter side" in short_drafter
+    one_per_replica = balance_verdict(f, 1 * 4, 4, replicas=4)[1]  # tp*pp = 1 < ratio / 2: only tp/pp can fix it
+    assert f.balanced_ratio > 2 and one_per_replica and "at most tp*pp = 1" in one_per_replica
