@@ -237,6 +237,22 @@ def test_random_targets_are_materialised_once_even_when_ranks_race(tmp_path, mon
     assert random_target_folder(dict(hf_config), 6) != folder
 
 
+def test_random_target_written_by_a_rank_other_than_zero(tmp_path, monkeypatch):
+    """transformers' save_pretrained writes only on torch.distributed rank 0; the cache writer may be any rank
+    (seen in a 4-rank run: drafter rank 1 left a folder without config.json and the next rank failed)."""
+    from transformers.distributed import mixin
+
+    monkeypatch.setenv("DSTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    hf_config = dict(FAMILIES["mixtral"], num_hidden_layers=2)
+    folder = random_target_folder(hf_config, 5)
+    assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors"))
+    for p in folder.iterdir():  # a folder left by the old bug (no config) is replaced, not renamed onto
+        p.unlink() if p.name != "dstrain_random.json" else None
+    assert (random_target_folder(hf_config, 5) / "config.json").is_file()
+
+
 def test_drafter_side_reads_embedding_and_head_through_the_reader(folders, tmp_path, monkeypatch):
     """frozen.py: FP8-era checkpoints (untied head) and random targets (tied, written once as a checkpoint)."""
     from dstrain.recipe import TargetConfig

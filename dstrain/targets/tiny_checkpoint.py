@@ -25,16 +25,16 @@ import torch
 
 from dstrain.errors import UserError
 
-_SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256)
 FAMILIES = {
-    "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **_SMALL),
+    "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **SMALL),
     "qwen3_moe": dict(model_type="qwen3_moe", intermediate_size=48, moe_intermediate_size=24, num_experts=4,
-                      num_experts_per_tok=2, head_dim=8, norm_topk_prob=True, **_SMALL),
+                      num_experts_per_tok=2, head_dim=8, norm_topk_prob=True, **SMALL),
     "deepseek_v3": dict(model_type="deepseek_v3", intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
                         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
                         q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
-                        **{**_SMALL, "num_key_value_heads": 4}),
+                        **{**SMALL, "num_key_value_heads": 4}),
     "deepseek_v4": dict(model_type="deepseek_v4", vocab_size=128, hidden_size=32, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=16, o_groups=2,
                         o_lora_rank=16, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
@@ -129,7 +129,11 @@ def write_checkpoint(out: str | Path, hf_config: dict, *, seed: int = 0, shards:
                     p.mul_(widen)
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     size = "1000GB" if shards <= 1 else max(1, total // shards)
+    # transformers writes only on torch.distributed rank 0; here whichever rank holds the cache lock writes
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(out, max_shard_size=size)
+    if not (out / "config.json").is_file():
+        raise RuntimeError(f"save_pretrained wrote no config.json into {out}")
     if fp8_block:
         quantise_fp8(out, fp8_block, skip)
     return out
@@ -182,6 +186,7 @@ def random_target_folder(hf_config: dict, seed: int) -> Path:
     with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others find the folder when they get the lock
         if not (dest / "config.json").is_file():
+            shutil.rmtree(dest, ignore_errors=True)  # a folder left without its config is not a checkpoint
             tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
             try:
                 write_checkpoint(tmp, hf_config, seed=seed, shards=1)
