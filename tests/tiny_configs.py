@@ -1,19 +1,24 @@
-"""Tiny random configs of the MoE families the HF backend must serve (shared by tests)."""
+"""Tiny random configs of the MoE families the backends must serve (shared by tests), and the parity measure.
 
-COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256)
+The configs are the tiny-checkpoint writer's own (dstrain/targets/tiny_checkpoint.py), so the tests and the
+tool describe the same models; Qwen3-MoE keeps transformers' default routing here (norm_topk_prob=False).
+"""
 
-TINY = {
-    "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **COMMON),
-    "qwen3_moe": dict(model_type="qwen3_moe", intermediate_size=48, moe_intermediate_size=24, num_experts=4,
-                      num_experts_per_tok=2, head_dim=8, **COMMON),
-    "deepseek_v3": dict(model_type="deepseek_v3", intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
-                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
-                        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
-                        **{**COMMON, "num_key_value_heads": 4}),  # MLA: every head has its own k/v
-    "deepseek_v4": dict(model_type="deepseek_v4", vocab_size=128, hidden_size=32, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=16, o_groups=2,
-                        o_lora_rank=16, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
-                        n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3, index_n_heads=2, index_head_dim=8,
-                        index_topk=8, sliding_window=8, max_position_embeddings=256),
-}
+from dstrain.targets.tiny_checkpoint import FAMILIES, SMALL as COMMON
+
+TINY = {k: dict(FAMILIES[k]) for k in ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v4")}
+TINY["qwen3_moe"].pop("norm_topk_prob")
+
+
+def stage_diff(tgt, ref, capture: list[int]) -> tuple[float, float]:
+    """(max |megatron - HF|, max |HF|) over what this pipeline stage holds: its capture layers, and the final
+    pre-LM-head states on the last stage."""
+    diff = scale = 0.0
+    if tgt.local_captured is not None:
+        cols = [capture.index(i) for i in tgt.local_layers]
+        diff = (tgt.local_captured - ref.captured[:, :, cols]).abs().max().item()
+        scale = ref.captured[:, :, cols].abs().max().item()
+    if tgt.final_hidden is not None:
+        diff = max(diff, (tgt.final_hidden - ref.final_hidden).abs().max().item())
+        scale = max(scale, ref.final_hidden.abs().max().item())
+    return diff, scale

@@ -11,7 +11,8 @@ import contextlib
 
 import torch
 
-MEGATRON_VERSION = "0.16.1"
+from dstrain.targets.mcore_patches import MEGATRON_VERSION  # noqa: F401  (one pin for both patch sets)
+
 APPLIED: list[str] = []
 
 
@@ -107,16 +108,8 @@ PATCHES = {"cuda_streams": _cuda_streams, "cpu_masks": _cpu_masks, "cpu_rng_fork
 
 def apply() -> list[str]:
     """Apply every patch once (no-op with CUDA present); returns the names applied."""
-    if torch.cuda.is_available() or APPLIED:
+    if torch.cuda.is_available():
         return APPLIED
-    import megatron.core
+    from dstrain.targets.mcore_patches import apply_pinned
 
-    if megatron.core.__version__ != MEGATRON_VERSION:
-        from dstrain.errors import UserError
-
-        raise UserError(f"megatron-core {megatron.core.__version__} installed, but the CPU patches are for "
-                        f"{MEGATRON_VERSION}: run `make install` (pyproject pins it)")
-    for name, patch in PATCHES.items():
-        patch()
-        APPLIED.append(name)
-    return APPLIED
+    return apply_pinned(PATCHES, APPLIED, "the CPU patches")

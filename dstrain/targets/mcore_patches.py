@@ -94,18 +94,23 @@ PATCHES = {"mla_local_core_attention": _mla_local_core_attention, "mla_te_flag":
            "mla_q_proj_tp_group": _mla_q_proj_tp_group}
 
 
-def apply() -> list[str]:
-    """Apply every patch once (with or without CUDA); returns the names applied."""
-    if APPLIED:
-        return APPLIED
+def apply_pinned(patches: dict, applied: list[str], what: str) -> list[str]:
+    """Apply each named patch once, refusing any megatron-core but the one they were written against."""
+    if applied:
+        return applied
     import megatron.core
 
     if megatron.core.__version__ != MEGATRON_VERSION:
         from dstrain.errors import UserError
 
-        raise UserError(f"megatron-core {megatron.core.__version__} installed, but dstrain's megatron patches are for "
+        raise UserError(f"megatron-core {megatron.core.__version__} installed, but {what} are for "
                         f"{MEGATRON_VERSION}: run `make install` (pyproject pins it)")
-    for name, patch in PATCHES.items():
+    for name, patch in patches.items():
         patch()
-        APPLIED.append(name)
-    return APPLIED
+        applied.append(name)
+    return applied
+
+
+def apply() -> list[str]:
+    """Apply every patch once (with or without CUDA); returns the names applied."""
+    return apply_pinned(PATCHES, APPLIED, "dstrain's megatron patches")

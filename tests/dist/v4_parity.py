@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tiny_configs import TINY  # noqa: E402
+from tiny_configs import TINY, stage_diff  # noqa: E402
 
 from dstrain.targets import cpu_compat, v4_attention  # noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
@@ -117,15 +117,7 @@ def run(groups, hf, folder: str, dp: int) -> tuple[float, float]:
     with CheckpointReader(folder, torch.float32) as reader:
         tgt = MegatronTarget(hf.config, reader, "v4", groups, capture_layers=CAPTURE)
     tgt(ids)
-    diff, scale = 0.0, 0.0
-    if tgt.local_captured is not None:
-        cols = [CAPTURE.index(i) for i in tgt.local_layers]
-        diff = (tgt.local_captured - ref.captured[:, :, cols]).abs().max().item()
-        scale = ref.captured[:, :, cols].abs().max().item()
-    if tgt.final_hidden is not None:
-        diff = max(diff, (tgt.final_hidden - ref.final_hidden).abs().max().item())
-        scale = max(scale, ref.final_hidden.abs().max().item())
-    return diff, scale
+    return stage_diff(tgt, ref, CAPTURE)
 
 
 def sensitivity(hf) -> dict:
