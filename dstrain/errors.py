@@ -33,7 +33,7 @@ def cli_main(fn: F) -> F:
             _tell_peers(f"error: {err}")
             raise SystemExit(EXIT_USER_ERROR) from None
         except Exception as exc:
-            mod = sys.modules.get("dstrain.watchdog")
+            mod = sys.modules.get("dstrain.runtime.watchdog")
             if mod is not None:
                 mod.on_comm_error(exc)  # a dead peer: returns only if no culprit was found
             _tell_peers(f"crashed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -48,6 +48,6 @@ def cli_main(fn: F) -> F:
 
 def _tell_peers(message: str) -> None:
     """In a multi-process run, let the other ranks' watchdogs name this rank and why it stopped."""
-    mod = sys.modules.get("dstrain.watchdog")
+    mod = sys.modules.get("dstrain.runtime.watchdog")
     if mod is not None:
         mod.record_failure(message)

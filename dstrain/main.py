@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_world:
         import json
 
-        from dstrain.world import layout_of
+        from dstrain.runtime.world import layout_of
 
         lay = layout_of(recipe.world)
         print(json.dumps({"world_size": lay.world_size, "drafter_ranks": lay.drafters, "target_ranks": lay.target_ranks,
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 def train(recipe) -> int:
     from dstrain.train.sources import LocalSource
     from dstrain.train.trainer import Trainer
-    from dstrain.watchdog import mark_done, start_watchdog
-    from dstrain.world import init_world
+    from dstrain.runtime.watchdog import mark_done, start_watchdog
+    from dstrain.runtime.world import init_world
 
     t = recipe.world.target
     if recipe.world.mode == "disaggregated" and recipe.target.backend == "hf" and (t.tp, t.pp, t.ep) != (1, 1, 1):
@@ -79,11 +79,11 @@ def train(recipe) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     start_watchdog(world, run_dir)
     if world.is_main:  # so evaluate/export can load the run without the recipe file
-        from dstrain.spec.artifacts import save_run_recipe
+        from dstrain.decoding.artifacts import save_run_recipe
 
         save_run_recipe(recipe, run_dir)
     if world.role == "target":
-        from dstrain.train.target_role import serve_target
+        from dstrain.runtime.target_role import serve_target
 
         code = serve_target(recipe, world, run_dir, lambda j, n: make_loader(recipe, j, n))
         mark_done()
@@ -131,9 +131,9 @@ def make_loader(recipe, rank: int, world: int):
 
 def channel_source(recipe, world, frozen):
     """The receiving end of this drafter's channel: who sends what, from the layout and the capture layers."""
-    from dstrain.channel import Receiver
+    from dstrain.runtime.channel import Receiver
     from dstrain.train.sources import ChannelSource
-    from dstrain.train.target_role import stage_of_layer
+    from dstrain.runtime.target_role import stage_of_layer
 
     lay, j = world.layout, world.drafter_index
     replica = lay.replica_of_drafter(j)

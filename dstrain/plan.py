@@ -88,7 +88,7 @@ def build_plan(recipe: Recipe) -> Plan:
     cfg, source = resolve_config(recipe.target)
     sizes = size_target(cfg)
     check_layout(recipe, sizes)
-    from dstrain.world import layout_of
+    from dstrain.runtime.world import layout_of
 
     layout_of(recipe.world)  # drafter count vs replicas
     load, held = None, None

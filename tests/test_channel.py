@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import ROOT, run_tool
-from dstrain.channel import compact, needed_rows
+from dstrain.runtime.channel import compact, needed_rows
 from dstrain.data.loader import Sample
 from dstrain.errors import UserError
 from dstrain.train.step import pack_samples
-from dstrain.world import Layout, layout_of
+from dstrain.runtime.world import Layout, layout_of
 
 
 def test_layout_puts_drafters_first_and_routes_replicas():

@@ -34,7 +34,7 @@ PATCH_CHECK = textwrap.dedent('''
     import json, sys, tempfile, torch, torch.distributed as dist
     dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
     from dstrain.targets import cpu_compat, mcore_patches
-    from dstrain.world import Layout, target_process_groups
+    from dstrain.runtime.world import Layout, target_process_groups
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.enums import AttnMaskType

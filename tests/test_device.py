@@ -8,7 +8,7 @@ from conftest import run_tool
 from dstrain.data.packing import pack_blocks
 from dstrain.errors import UserError
 from dstrain.recipe import parse_recipe
-from dstrain.world import run_device, select_deepspeed_accelerator
+from dstrain.runtime.world import run_device, select_deepspeed_accelerator
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answers")
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import run_tool
 from dstrain.data.shards import synthetic_shards
-from dstrain.spec.metrics import acceptance_stats, calibration_table, ece, fit_sts, threshold_sweep
+from dstrain.decoding.metrics import acceptance_stats, calibration_table, ece, fit_sts, threshold_sweep
 
 
 def test_conditional_acceptance_counts_only_rounds_that_reached_the_position():

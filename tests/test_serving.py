@@ -5,7 +5,7 @@ import json
 import torch
 
 from conftest import run_tool
-from dstrain.serving import Simulator, traces_from_rollouts
+from dstrain.serving.simulator import Simulator, traces_from_rollouts
 
 
 def synthetic_rollouts(seed=0, gamma=6, requests=40, rounds=30):
@@ -50,7 +50,7 @@ def test_simulate_serving_tool(tmp_path):
 
 
 def test_profile_sps_writes_a_table_the_scheduler_reads(tmp_path):
-    from dstrain.sps import load_table
+    from dstrain.serving.sps import load_table
 
     run_tool("tools/profile_sps.py", "--recipe", "recipes/tiny_moe.yaml", "--max-tokens", "12", "--context", "16",
              "--repeats", "1", "--out", str(tmp_path))

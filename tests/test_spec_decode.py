@@ -13,9 +13,9 @@ from conftest import ROOT
 from dstrain.models.contract import spec_from_config
 from dstrain.models.registry import build_drafter
 from dstrain.recipe import load_recipe
-from dstrain.scheduler import schedule
-from dstrain.spec.decode import LengthPolicy, SpecDecoder
-from dstrain.spec.sampling import verify
+from dstrain.serving.scheduler import schedule
+from dstrain.decoding.decode import LengthPolicy, SpecDecoder
+from dstrain.decoding.sampling import verify
 from dstrain.targets import load_target
 
 VOCAB = 16
@@ -132,8 +132,8 @@ def test_appendix8_retrospective_search_is_biased_and_early_stop_is_not():
 
 def test_the_chi_square_check_catches_a_biased_verifier(monkeypatch):
     """Accepting every draft (no rejection sampling) must fail the same check: the test has power."""
-    import dstrain.spec.decode as decode
-    from dstrain.spec.sampling import sample
+    import dstrain.decoding.decode as decode
+    from dstrain.decoding.sampling import sample
 
     def accept_all(drafts, q, p, lengths, generator=None):
         return lengths, sample(p[torch.arange(len(lengths)), lengths], generator)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dstrain.channel import HEADER_WORDS, needed_rows  # noqa: E402
+from dstrain.runtime.channel import HEADER_WORDS, needed_rows  # noqa: E402
 from dstrain.data.loader import Sample  # noqa: E402
 from dstrain.errors import cli_main  # noqa: E402
 from dstrain.train.step import pack_step  # noqa: E402

@@ -83,7 +83,7 @@ def child(impl: str, layer: int, seq: int, folder: str, out: str) -> None:
         from dstrain.targets.configs import load_config
         from dstrain.targets.megatron import MegatronTarget
         from dstrain.targets.v4_model import Context
-        from dstrain.world import Layout, target_process_groups
+        from dstrain.runtime.world import Layout, target_process_groups
 
         dist.init_process_group("gloo", init_method="file://" + out + ".pg", rank=0, world_size=1)
         groups = target_process_groups(Layout(1, 1, 1, 1, 0, True))

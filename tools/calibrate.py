@@ -34,9 +34,9 @@ def heldout_prompts(count: int, seed: int) -> list[dict]:
 def rollouts_from_decoding(args, art, target, drafter) -> dict:
     import torch
 
-    from dstrain.spec import prompts as P
-    from dstrain.spec.evaluation import Candidate, run_domain
-    from dstrain.spec.decode import LengthPolicy
+    from dstrain.decoding import prompts as P
+    from dstrain.decoding.evaluation import Candidate, run_domain
+    from dstrain.decoding.decode import LengthPolicy
     tokenizer = P.load_tokenizer(art.target_cfg)
     records = P.prompt_file(args.prompts)[0] if args.prompts else heldout_prompts(args.count, args.seed)
     ids = P.encode(records, tokenizer, target.vocab_size)
@@ -67,8 +67,8 @@ def main() -> int:
 
     import torch
 
-    from dstrain.spec import artifacts, plots
-    from dstrain.spec.metrics import calibration_table, cumulative, fit_sts, threshold_sweep
+    from dstrain.decoding import artifacts, plots
+    from dstrain.decoding.metrics import calibration_table, cumulative, fit_sts, threshold_sweep
 
     art = artifacts.read_artifact(args.drafter, None, args.recipe)
     if not art.drafter_cfg.get("confidence"):

@@ -43,8 +43,8 @@ def parse_args(argv=None):
 
 def load_candidates(specs: list[str], recipe: str | None, gamma: int | None):
     from dstrain.errors import UserError
-    from dstrain.spec import artifacts
-    from dstrain.spec.evaluation import Candidate
+    from dstrain.decoding import artifacts
+    from dstrain.decoding.evaluation import Candidate
 
     arts = []
     for spec in specs:
@@ -69,16 +69,16 @@ def load_candidates(specs: list[str], recipe: str | None, gamma: int | None):
 def run(args) -> int:
     import torch
 
-    from dstrain.spec import plots, prompts as P
-    from dstrain.spec.decode import LengthPolicy
-    from dstrain.spec.evaluation import evaluate, markdown
+    from dstrain.decoding import plots, prompts as P
+    from dstrain.decoding.decode import LengthPolicy
+    from dstrain.decoding.evaluation import evaluate, markdown
 
     if args.sps and args.threshold is not None:
         from dstrain.errors import UserError
 
         raise UserError("--sps and --threshold are two length policies: pick one")
     if args.sps:
-        from dstrain.sps import load_table
+        from dstrain.serving.sps import load_table
 
         policy = LengthPolicy("scheduler", sps=load_table(args.sps)[0])
     else:

@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("out", help="folder to write (replaced atomically)")
     ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
     args = ap.parse_args()
-    from dstrain.spec import artifacts
+    from dstrain.decoding import artifacts
 
     art = artifacts.read_artifact(args.run, None, args.recipe)
     target = artifacts.load_target_for(art)

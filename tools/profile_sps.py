@@ -32,7 +32,7 @@ def main() -> int:
     import torch
     from tqdm import tqdm
 
-    from dstrain import sps as S
+    from dstrain.serving import sps as S
     from dstrain.recipe import load_recipe
     from dstrain.targets import load_target
 

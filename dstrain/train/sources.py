@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dstrain.channel import Receiver, compact, needed_rows, send_resume
+from dstrain.runtime.channel import Receiver, compact, needed_rows, send_resume
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks
 from dstrain.train.step import FeatureCache, TargetFeatures, pack_step, target_features

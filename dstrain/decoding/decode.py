@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dstrain.scheduler import schedule, survival
-from dstrain.spec.sampling import distribution, make_picker, sample, verify
-from dstrain.spec.session import TargetSession
+from dstrain.serving.scheduler import schedule, survival
+from dstrain.decoding.sampling import distribution, make_picker, sample, verify
+from dstrain.decoding.session import TargetSession
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dstrain.channel import Sender, needed_rows, recv_resume
+from dstrain.runtime.channel import Sender, needed_rows, recv_resume
 from dstrain.train.step import pack_step, padded_batch
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dstrain.scheduler import admit_top_k, async_capacity, schedule, survival
+from dstrain.serving.scheduler import admit_top_k, async_capacity, schedule, survival
 
 
 @dataclass

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from dstrain.spec.decode import LengthPolicy, SpecDecoder
-from dstrain.spec.metrics import acceptance_stats
+from dstrain.decoding.decode import LengthPolicy, SpecDecoder
+from dstrain.decoding.metrics import acceptance_stats
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Serving: the verification scheduler (Algorithm 2), SPS profiles and the closed-loop serving simulator."""
