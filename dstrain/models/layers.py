@@ -92,10 +92,12 @@ class BlockLayer(nn.Module):
     """
 
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: nn.Module, rope_theta: float,
-                 attn_in: int | None = None):
+                 attn_in: int | None = None, qk_norm: bool = False):
         super().__init__()
         attn_in = attn_in or d
         self.heads, self.kv_heads, self.head_dim, self.rope_theta = heads, kv_heads, head_dim, rope_theta
+        # Qwen3-style per-head RMSNorm of q and k before RoPE (context keys too), as the serving engines' DFlash layer
+        self.q_norm, self.k_norm = (RMSNorm(head_dim), RMSNorm(head_dim)) if qk_norm else (nn.Identity(), nn.Identity())
         self.attn_norm = RMSNorm(d) if attn_in == d else nn.Identity()
         self.ffn_norm = RMSNorm(d)
         self.q_proj = nn.Linear(attn_in, heads * head_dim, bias=False)
@@ -106,7 +108,7 @@ class BlockLayer(nn.Module):
 
     def context_kv(self, ctx: torch.Tensor, ctx_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's own k/v projections of the fused target context rows [R, d]."""
-        k = self.k_proj(ctx).view(-1, self.kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(ctx).view(-1, self.kv_heads, self.head_dim))
         return rope(k, ctx_pos, self.rope_theta), self.v_proj(ctx).view(-1, self.kv_heads, self.head_dim)
 
     def attend(self, x: torch.Tensor, pos: torch.Tensor, k_ctx, v_ctx, key_index, cache: list | None = None) -> torch.Tensor:
@@ -114,8 +116,8 @@ class BlockLayer(nn.Module):
         entries; this call appends its own, and its queries see every cached entry (causal by construction)."""
         n, g, _ = x.shape
         h = self.attn_norm(x)
-        q = rope(self.q_proj(h).view(n, g, self.heads, self.head_dim), pos, self.rope_theta)
-        k = rope(self.k_proj(h).view(n, g, self.kv_heads, self.head_dim), pos, self.rope_theta)
+        q = rope(self.q_norm(self.q_proj(h).view(n, g, self.heads, self.head_dim)), pos, self.rope_theta)
+        k = rope(self.k_norm(self.k_proj(h).view(n, g, self.kv_heads, self.head_dim)), pos, self.rope_theta)
         v = self.v_proj(h).view(n, g, self.kv_heads, self.head_dim)
         if cache is not None:
             cache.append((k, v))

@@ -1,0 +1,198 @@
+"""Serving formats: a trained DSpark / DFlash drafter as the `speculators` folder vLLM loads, and back.
+
+What must mean in the file exactly what it meant in training (each is tested, tests/test_serving_formats.py):
+
+- **Capture layers.** dstrain's `target.capture_layers` are 0-based decoder-layer indices: entry i is the
+  output of decoder layer i (a forward hook on `layers[i]`). speculators' `aux_hidden_state_layer_ids`
+  index Hugging Face's `output_hidden_states` tuple, whose entry 0 is the embedding output: id k is the
+  residual stream after k layers, i.e. the output of decoder layer k − 1. So **speculators id = ours + 1**.
+  vLLM maps a speculators config back with `dflash_config.target_layer_ids = [i - 1 for i in
+  aux_hidden_state_layer_ids]` (vllm-project/vllm `vllm/transformers_utils/configs/speculators/algos.py`,
+  `update_dflash`, "see #40727") and SGLang likewise (`target_layer_ids = [i - 1 ...]`,
+  sgl-project/sglang `python/sglang/srt/configs/dspark.py`): both land on our 0-based indices. Writing
+  ours unshifted would feed every context row from one layer too shallow.
+- **Block slots.** dstrain's blocks are anchor-predicting: slot k (0-based) predicts x_{a+k+1} and the
+  Markov/confidence heads condition slot k on x_{a+k} (the anchor for k = 0). That is speculators'
+  `sample_from_anchor=True` (speculators `models/dspark/core.py`: `prev_token_ids = block_tokens`),
+  `block_size` = γ query rows, γ speculative tokens. The field is always written: vLLM's DSpark updater
+  defaults it to True, SGLang's normaliser to False (and then proposes `block_size − 1` tokens).
+- **Mask token.** speculators, vLLM and SGLang fill slots 1..γ−1 with the target's embedding of
+  `mask_token_id`; a drafter must be trained with `drafter.mask_token_id` set (not a learned mask vector).
+- **Context window and in-block attention.** A sliding window W means the keys [a − W, a) (speculators'
+  `kv_base_pos >= q_anchor - sliding_window`, strictly before the anchor), written as `sliding_window` with
+  every `layer_types` entry `sliding_attention`. dstrain attends bidirectionally inside a block;
+  speculators makes sliding layers causal unless `sliding_window_non_causal`, vLLM unless the layer
+  config's `is_causal` is false (`qwen3_dflash.py`, `_dflash_layer_causal`): both are written.
+- **Embedding and LM head** are the target's, shared, not in the file (speculators' `lm_head` is the
+  verifier's when `draft_vocab_size` = the verifier's vocabulary, which is what we write).
+
+Not expressible in these layers (export refuses, naming the setting): MoE drafter FFNs, mHC, a learned mask
+vector, attention without q/k norms. Eagle3 and MTP-1 are not exported to this format yet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dstrain.errors import UserError
+
+SPECULATORS_VERSION = "0.9.0"  # the package version whose config and model classes the tests load
+DSTRAIN_KEY = "dstrain"  # our own section inside an exported speculators config (target binding, recipe)
+
+
+def capture_to_speculators(capture_layers: list[int]) -> list[int]:
+    """dstrain decoder-output index i -> speculators / HF hidden_states index i + 1."""
+    return [int(i) + 1 for i in capture_layers]
+
+
+def capture_from_speculators(aux_ids: list[int]) -> list[int]:
+    bad = [i for i in aux_ids if int(i) < 1]
+    if bad:
+        raise UserError(f"aux_hidden_state_layer_ids {bad}: id 0 is the embedding output, which no dstrain target captures")
+    return [int(i) - 1 for i in aux_ids]
+
+
+def check_exportable(cfg) -> None:
+    """One clear line for each drafter setting the speculators DFlash/DSpark layers cannot express."""
+    if cfg.type not in ("dspark", "dflash"):
+        raise UserError(f"--format speculators: drafter.type={cfg.type} is not exported to this format yet (dspark and dflash are)")
+    problems = []
+    if cfg.ffn.type != "dense":
+        problems.append("drafter.ffn.type=dense (the speculators layer is a dense SwiGLU)")
+    if cfg.mhc.enabled:
+        problems.append("drafter.mhc.enabled=false (no hyper-connections in the speculators layer)")
+    if not cfg.qk_norm:
+        problems.append("drafter.qk_norm=true (the speculators layer normalises q and k per head)")
+    if cfg.mask_token_id is None:
+        problems.append("drafter.mask_token_id=<a token id> (serving engines embed a mask token; a learned mask vector has no place)")
+    if problems:
+        raise UserError("--format speculators: this drafter was trained with settings the format cannot express; "
+                        "train it with " + ", ".join(problems) + ", or export --format dstrain")
+
+
+def _layer_config(cfg, spec, num_layers: int) -> dict:
+    from dstrain.models.layers import attention_shape
+
+    heads, kv_heads, head_dim = attention_shape(cfg, spec)
+    layer = {"model_type": "qwen3", "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+             "intermediate_size": cfg.ffn.intermediate_size or spec.intermediate_size, "num_hidden_layers": num_layers,
+             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_act": "silu",
+             "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+             "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+             "is_causal": False}  # vLLM: bidirectional inside the block even on sliding layers
+    if cfg.sliding_window is not None:
+        layer.update(sliding_window=cfg.sliding_window, layer_types=["sliding_attention"] * num_layers, use_sliding_window=True)
+    return layer
+
+
+def to_speculators(drafter, cfg, spec, capture_layers: list[int], verifier: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, safetensors dict) of a BlockDrafter in speculators' DFlash/DSpark layout."""
+    check_exportable(cfg)
+    sd = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()}
+    out: dict[str, torch.Tensor] = {"fc.weight": sd.pop("fuse.weight"), "hidden_norm.weight": sd.pop("fuse_norm.weight"),
+                                    "norm.weight": sd.pop("norm.weight")}
+    for i in range(cfg.num_layers):
+        src, dst = f"layers.{i}.", f"layers.{i}."
+        out[dst + "input_layernorm.weight"] = sd.pop(src + "attn_norm.weight")
+        out[dst + "post_attention_layernorm.weight"] = sd.pop(src + "ffn_norm.weight")
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            out[f"{dst}self_attn.{p}.weight"] = sd.pop(f"{src}{p}.weight")
+        gate, up = sd.pop(src + "ffn.gate_up.weight").chunk(2, dim=0)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+        out[dst + "mlp.down_proj.weight"] = sd.pop(src + "ffn.down.weight")
+    if cfg.head != "none":
+        out["markov_head.markov_w1.weight"] = sd.pop("seq_head.w1.weight")
+        out["markov_head.markov_w2.weight"] = sd.pop("seq_head.w2").t().contiguous()  # Linear(r -> V): [V, r]
+        if cfg.head == "rnn":
+            w = sd.pop("seq_head.gco.weight")
+            out["markov_head.joint_proj.weight"] = w
+            out["markov_head.joint_proj.bias"] = w.new_zeros(w.shape[0])  # our gate/candidate/output map has no bias
+    if cfg.confidence:
+        out["confidence_head.proj.weight"] = sd.pop("conf_head.proj.weight")
+        out["confidence_head.proj.bias"] = sd.pop("conf_head.proj.bias")
+    if sd:
+        raise UserError(f"--format speculators: weights with no place in the format: {sorted(sd)[:4]}")
+    algorithm = cfg.type
+    config = {
+        "speculators_model_type": algorithm, "speculators_version": SPECULATORS_VERSION,
+        "architectures": ["DSparkSpeculator" if algorithm == "dspark" else "DFlashSpeculator"],
+        "transformer_layer_config": _layer_config(cfg, spec, cfg.num_layers),
+        "draft_vocab_size": spec.vocab_size, "target_hidden_size": spec.hidden_size,
+        "block_size": cfg.block_size, "aux_hidden_state_layer_ids": capture_to_speculators(capture_layers),
+        "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": True, "sample_from_anchor": True,
+        "speculators_config": {"algorithm": algorithm, "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size}],
+                               "verifier": verifier},
+    }
+    if algorithm == "dspark":
+        config.update(markov_rank=cfg.head_rank, markov_head_type="rnn" if cfg.head == "rnn" else "vanilla",
+                      enable_confidence_head=bool(cfg.confidence), confidence_head_with_markov=True)
+    return config, out
+
+
+def is_speculators(config: dict) -> bool:
+    return "speculators_model_type" in config
+
+
+def from_speculators(config: dict, tensors: dict[str, torch.Tensor], source: Path) -> tuple[dict, list[int], dict]:
+    """(drafter section, capture layers, dstrain state dict) of a speculators DFlash/DSpark folder."""
+    kind = config["speculators_model_type"]
+    if kind not in ("dspark", "dflash"):
+        raise UserError(f"{source}: speculators_model_type={kind!r}: dstrain reads dspark and dflash folders")
+    if not config.get("sample_from_anchor", kind == "dspark"):
+        raise UserError(f"{source}: sample_from_anchor=false (only the mask slots predict): dstrain's blocks predict from the anchor")
+    if config.get("mask_token_id") is None:
+        raise UserError(f"{source}: no mask_token_id in config.json")
+    layer = config["transformer_layer_config"]
+    if int(config.get("draft_vocab_size", layer["vocab_size"])) != int(layer["vocab_size"]):
+        raise UserError(f"{source}: a reduced draft vocabulary (draft_vocab_size {config['draft_vocab_size']}) is not supported")
+    n = int(layer["num_hidden_layers"])
+    window = layer.get("sliding_window") if "sliding_attention" in (layer.get("layer_types") or []) else None
+    markov = int(config.get("markov_rank", 0) or 0) if kind == "dspark" else 0
+    head = "none" if not markov else {"vanilla": "markov", "rnn": "rnn"}.get(config.get("markov_head_type", "vanilla"))
+    if head is None:
+        raise UserError(f"{source}: markov_head_type={config['markov_head_type']!r}: dstrain has vanilla (markov) and rnn heads")
+    confidence = bool(config.get("enable_confidence_head", True)) if kind == "dspark" else False
+    if confidence and not config.get("confidence_head_with_markov", True):
+        raise UserError(f"{source}: confidence_head_with_markov=false: dstrain's confidence head reads [h; W1[x_prev]]")
+    drafter = {"type": kind, "num_layers": n, "block_size": int(config["block_size"]), "sliding_window": window,
+               "num_heads": int(layer["num_attention_heads"]), "head_dim": int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
+               "ffn": {"type": "dense", "intermediate_size": int(layer["intermediate_size"])},
+               "head": head, "head_rank": markov or 256, "confidence": confidence, "qk_norm": True,
+               "mask_token_id": int(config["mask_token_id"])}
+    t = dict(tensors)
+    sd = {"fuse.weight": t.pop("fc.weight"), "fuse_norm.weight": t.pop("hidden_norm.weight"), "norm.weight": t.pop("norm.weight")}
+    for i in range(n):
+        p = f"layers.{i}."
+        sd[p + "attn_norm.weight"] = t.pop(p + "input_layernorm.weight")
+        sd[p + "ffn_norm.weight"] = t.pop(p + "post_attention_layernorm.weight")
+        for q in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            sd[f"{p}{q}.weight"] = t.pop(f"{p}self_attn.{q}.weight")
+        sd[p + "ffn.gate_up.weight"] = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")], dim=0)
+        sd[p + "ffn.down.weight"] = t.pop(p + "mlp.down_proj.weight")
+    if head != "none":
+        sd["seq_head.w1.weight"] = t.pop("markov_head.markov_w1.weight")
+        sd["seq_head.w2"] = t.pop("markov_head.markov_w2.weight").t().contiguous()
+        if head == "rnn":
+            sd["seq_head.gco.weight"] = t.pop("markov_head.joint_proj.weight")
+            bias = t.pop("markov_head.joint_proj.bias", None)
+            if bias is not None and bias.abs().max() > 0:
+                raise UserError(f"{source}: the RNN head's joint_proj has a non-zero bias, which dstrain's RNN head does not have")
+    if confidence:
+        sd["conf_head.proj.weight"] = t.pop("confidence_head.proj.weight")
+        sd["conf_head.proj.bias"] = t.pop("confidence_head.proj.bias")
+    for ignored in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t"):
+        t.pop(ignored, None)
+    if t:
+        raise UserError(f"{source}: weights dstrain's {kind} drafter has no place for: {sorted(t)[:4]}")
+    return drafter, capture_from_speculators(config["aux_hidden_state_layer_ids"]), sd
+
+
+def write_speculators(staging: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(staging / "model.safetensors"))
+    (staging / "config.json").write_text(json.dumps(config, indent=2))

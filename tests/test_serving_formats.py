@@ -1,0 +1,169 @@
+"""Serving formats: a DSpark / DFlash drafter exported as a speculators folder is loaded by the speculators library
+(0.9.0, its own config and model classes) and gives the same draft logits, Markov bias and confidence as ours, fed the
+target features the way a serving engine captures them (Hugging Face hidden_states at the exported ids). And back:
+the folder read by dstrain (evaluate.py / calibrate.py) is the same drafter."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import ROOT
+from dstrain.data.packing import pack_blocks
+from dstrain.decoding import artifacts, formats
+from dstrain.errors import UserError
+from dstrain.models.contract import spec_from_config
+from dstrain.models.registry import build_drafter
+from dstrain.recipe import load_recipe
+from dstrain.targets import load_target
+
+
+def speculators_models():
+    """speculators' model classes. Installed --no-deps (it pins transformers <= 5.19 and pulls datasets, openai, vision and
+    audio wheels); its package __init__ reaches speculators.train.data (training data: openai, datasets) only for a
+    BatchType alias, stubbed here. Nothing else of it is replaced."""
+    import importlib.util
+
+    if importlib.util.find_spec("speculators") is None:
+        pytest.skip("speculators not installed (make install puts it in the venv)")
+    if "speculators.train.data" not in sys.modules and importlib.util.find_spec("openai") is None:
+        stub = types.ModuleType("speculators.train.data")
+        stub.BatchType = dict
+        sys.modules["speculators.train.data"] = stub
+    import speculators.models as sm
+    from speculators.models.dflash import core
+
+    return sm, core
+
+
+COMPAT = ["drafter.ffn.type=dense", "drafter.ffn.intermediate_size=48", "drafter.qk_norm=true", "drafter.mask_token_id=509"]
+VARIANTS = {
+    "dspark-markov-window": [],
+    "dspark-rnn-nowindow": ["drafter.head=rnn", "drafter.sliding_window=null"],
+    "dflash": ["drafter.type=dflash", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0"],
+}
+
+
+def make(name, tmp_path):
+    recipe = load_recipe(ROOT / "recipes/tiny_moe.yaml", COMPAT + VARIANTS[name])
+    target = load_target(recipe.target, seed=0)
+    spec = spec_from_config(target.model.config, len(target.capture_layers))
+    torch.manual_seed(1)
+    drafter = build_drafter(recipe.drafter, spec, target.embedding)
+    with torch.no_grad():  # every weight away from its init (norm gains 1, W2 zero) so each one matters
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    art = artifacts.DrafterArtifact(name, tmp_path / "run", recipe.drafter.model_dump(mode="json"),
+                                    recipe.target.model_dump(mode="json"), drafter.state_dict())
+    out = artifacts.export(art, target, tmp_path / "spec", "speculators")
+    return recipe, target, drafter, out
+
+
+def ours(recipe, target, drafter, ids, anchors):
+    d = recipe.drafter
+    out = target(ids[None])
+    packed = pack_blocks([ids], [torch.ones_like(ids, dtype=torch.bool)], [anchors], d.block_size, d.mask_token_id, d.sliding_window)
+    res = drafter(packed, out.captured[0][packed.ctx_rows])
+    bias = res.seq_factor @ drafter.seq_w2 if res.seq_factor is not None else None
+    return target.lm_head(res.hidden), bias, res.confidence_logits
+
+
+def theirs(folder, target, ids, anchors, monkeypatch):
+    sm, core = speculators_models()
+    cfg_json = json.loads((folder / "config.json").read_text())
+    cls = {"dspark": sm.DSparkDraftModel, "dflash": sm.DFlashDraftModel}[cfg_json["speculators_model_type"]]
+    config = cls.config_class.from_pretrained(folder)
+    config.transformer_layer_config._attn_implementation = "eager"  # flex_attention's block mask compiles; eager is the same mask
+    model, info = cls.from_pretrained(folder, config=config, output_loading_info=True)
+    assert not info["unexpected_keys"] and set(info["missing_keys"]) <= {"embed_tokens.weight", "lm_head.weight",
+                                                                          "verifier_lm_head.weight", "verifier_norm.weight"}, info
+    names = set(model.state_dict()) - {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    from safetensors.torch import load_file
+
+    written = load_file(str(folder / "model.safetensors"))
+    assert set(written) == names and all(written[k].shape == model.state_dict()[k].shape for k in names)
+    with torch.no_grad():  # the verifier's shared weights, as vLLM attaches them
+        model.embed_tokens.weight.copy_(target.embedding.weight)
+        model.lm_head.weight.copy_(target.lm_head.weight)
+        model.verifier_lm_head.weight.copy_(target.lm_head.weight)
+        model.verifier_norm.weight.fill_(1.0)
+    model.eval()
+    k = len(anchors)
+    monkeypatch.setattr(core, "select_anchors", lambda *_a, **_k: (anchors.clone(), torch.ones(k, dtype=torch.bool)))
+    # The features an engine captures: Hugging Face hidden_states at the exported ids (entry 0 = the embeddings).
+    hs = target.model(ids[None], output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i] for i in config.aux_hidden_state_layer_ids], dim=-1)
+    t = ids.numel()
+    with torch.no_grad():
+        hidden, logits, _targets, _mask, idx = model._backbone_forward(
+            feats, ids[None], torch.ones(1, t, dtype=torch.long), hs[-1], torch.zeros(1, t, dtype=torch.long), max_anchors=k)
+        gamma = config.block_size
+        hidden = hidden.view(k, gamma, -1)
+        logits = logits.view(k, gamma, -1)
+        bias = conf = None
+        head = getattr(model, "markov_head", None)
+        if head is not None:
+            prev = ids[idx].view(k, gamma)  # sample_from_anchor=True: slot k conditions on x_{a+k}
+            emb = head.prev_embeddings(prev)
+            bias = head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=emb)
+            logits = logits + bias
+            if model.confidence_head is not None:
+                conf = model.confidence_head(torch.cat([hidden, emb], dim=-1))
+    return logits, bias, conf
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_speculators_loads_our_export_and_drafts_the_same(name, tmp_path, monkeypatch):
+    recipe, target, drafter, folder = make(name, tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in target.capture_layers]
+    assert cfg["sample_from_anchor"] is True and cfg["mask_token_id"] == 509 and cfg["block_size"] == recipe.drafter.block_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 509, (48,), generator=g)
+    anchors = torch.tensor([0, 5, 17, 30, 44])
+    with torch.no_grad():
+        logits, bias, conf = ours(recipe, target, drafter, ids, anchors)
+        if bias is not None:
+            logits = logits + bias
+    t_logits, t_bias, t_conf = theirs(folder, target, ids, anchors, monkeypatch)
+    assert (logits - t_logits).abs().max() < 1e-5
+    assert (bias is None) == (t_bias is None) and (conf is None) == (t_conf is None)
+    if bias is not None:
+        assert bias.abs().max() > 1e-2 and (bias - t_bias).abs().max() < 1e-5
+    if conf is not None:
+        assert (conf - t_conf).abs().max() < 1e-5
+    # A one-layer shift of the capture ids (the off-by-one seen in the wild) changes the drafts.
+    shifted = json.loads((folder / "config.json").read_text())
+    shifted["aux_hidden_state_layer_ids"] = [i - 1 for i in shifted["aux_hidden_state_layer_ids"]]
+    (folder / "config.json").write_text(json.dumps(shifted))
+    s_logits, _, _ = theirs(folder, target, ids, anchors, monkeypatch)
+    assert (logits - s_logits).abs().max() > 1e-2
+
+
+def test_export_reads_back_as_the_same_drafter(tmp_path):
+    recipe, target, drafter, folder = make("dspark-rnn-nowindow", tmp_path)
+    art = artifacts.read_artifact(folder)
+    assert art.target_cfg["capture_layers"] == list(target.capture_layers) and art.fingerprint == artifacts.fingerprint(target)
+    back = artifacts.build(art, target)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    cfg = json.loads((folder / "config.json").read_text())  # an off-by-one on the way back is refused, not loaded
+    cfg["aux_hidden_state_layer_ids"] = [i + 2 for i in target.capture_layers]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="ids must be ours"):
+        artifacts.read_artifact(folder)
+
+
+def test_export_refuses_what_the_format_cannot_express(tmp_path):
+    recipe = load_recipe(ROOT / "recipes/tiny_moe.yaml")  # MoE FFN, learned mask vector, no q/k norm
+    target = load_target(recipe.target, seed=0)
+    spec = spec_from_config(target.model.config, len(target.capture_layers))
+    drafter = build_drafter(recipe.drafter, spec, target.embedding)
+    art = artifacts.DrafterArtifact("x", tmp_path, recipe.drafter.model_dump(mode="json"), recipe.target.model_dump(mode="json"),
+                                    drafter.state_dict())
+    with pytest.raises(UserError, match="drafter.ffn.type=dense.*drafter.qk_norm=true.*drafter.mask_token_id"):
+        artifacts.export(art, target, tmp_path / "out", "speculators")
+    assert not (tmp_path / "out").exists()
+    assert formats.capture_to_speculators([0, 5]) == [1, 6] and formats.capture_from_speculators([1, 6]) == [0, 5]
