@@ -43,6 +43,8 @@ VARIANTS = {
     "dspark-markov-window": [],
     "dspark-rnn-nowindow": ["drafter.head=rnn", "drafter.sliding_window=null"],
     "dflash": ["drafter.type=dflash", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0"],
+    "eagle3": ["drafter.type=eagle3", "drafter.num_layers=1", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0",
+               "drafter.sliding_window=null", "drafter.block_size=3"],
 }
 
 
@@ -73,6 +75,8 @@ def ours(recipe, target, drafter, ids, anchors):
 def theirs(folder, target, ids, anchors, monkeypatch):
     sm, core = speculators_models()
     cfg_json = json.loads((folder / "config.json").read_text())
+    if cfg_json["speculators_model_type"] == "eagle3":
+        return theirs_eagle3(sm, folder, target, ids, anchors)
     cls = {"dspark": sm.DSparkDraftModel, "dflash": sm.DFlashDraftModel}[cfg_json["speculators_model_type"]]
     config = cls.config_class.from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = "eager"  # flex_attention's block mask compiles; eager is the same mask
@@ -114,15 +118,44 @@ def theirs(folder, target, ids, anchors, monkeypatch):
     return logits, bias, conf
 
 
+def theirs_eagle3(sm, folder, target, ids, anchors):
+    """speculators' Eagle3 training-time test (teacher-forced, positions advancing per step) over the whole sequence:
+    position j pairs feature j with x_{j+1}, so a block anchored at a is position a − 1 of every step."""
+    from safetensors.torch import load_file
+
+    config = sm.Eagle3SpeculatorConfig.from_pretrained(folder)
+    config.transformer_layer_config._attn_implementation = "eager"
+    model = sm.Eagle3DraftModel(config)  # its from_pretrained resolves the verifier by name on the hub; same classes, same load
+    missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    assert not unexpected and set(missing) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                                               "verifier_norm.weight", "t2d", "d2t"}, (missing, unexpected)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.embedding.weight)
+        model.lm_head.weight.copy_(target.lm_head.weight)
+    model.eval()
+    steps = []
+    model.lm_head.register_forward_hook(lambda _m, _i, out: steps.append(out))
+    hs = target.model(ids[None], output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i] for i in config.eagle_aux_hidden_state_layer_ids], dim=-1)
+    pairs = torch.cat([ids[1:], ids.new_zeros(1)])[None]
+    gamma = config.speculators_config.proposal_methods[0].speculative_tokens
+    with torch.no_grad():
+        model(feats, pairs, torch.zeros_like(pairs), ttt_steps=gamma)
+    return torch.stack([s[0, anchors - 1] for s in steps], dim=1), None, None
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_speculators_loads_our_export_and_drafts_the_same(name, tmp_path, monkeypatch):
     recipe, target, drafter, folder = make(name, tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in target.capture_layers]
-    assert cfg["sample_from_anchor"] is True and cfg["mask_token_id"] == 509 and cfg["block_size"] == recipe.drafter.block_size
+    if name == "eagle3":
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.capture_layers]
+    else:
+        assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in target.capture_layers]
+        assert cfg["sample_from_anchor"] is True and cfg["mask_token_id"] == 509 and cfg["block_size"] == recipe.drafter.block_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 509, (48,), generator=g)
-    anchors = torch.tensor([0, 5, 17, 30, 44])
+    anchors = torch.tensor([1 if name == "eagle3" else 0, 5, 17, 30, 44])
     with torch.no_grad():
         logits, bias, conf = ours(recipe, target, drafter, ids, anchors)
         if bias is not None:
@@ -136,21 +169,23 @@ def test_speculators_loads_our_export_and_drafts_the_same(name, tmp_path, monkey
         assert (conf - t_conf).abs().max() < 1e-5
     # A one-layer shift of the capture ids (the off-by-one seen in the wild) changes the drafts.
     shifted = json.loads((folder / "config.json").read_text())
-    shifted["aux_hidden_state_layer_ids"] = [i - 1 for i in shifted["aux_hidden_state_layer_ids"]]
+    key = "eagle_aux_hidden_state_layer_ids" if name == "eagle3" else "aux_hidden_state_layer_ids"
+    shifted[key] = [i - 1 for i in shifted[key]]
     (folder / "config.json").write_text(json.dumps(shifted))
     s_logits, _, _ = theirs(folder, target, ids, anchors, monkeypatch)
     assert (logits - s_logits).abs().max() > 1e-2
 
 
-def test_export_reads_back_as_the_same_drafter(tmp_path):
-    recipe, target, drafter, folder = make("dspark-rnn-nowindow", tmp_path)
+@pytest.mark.parametrize("name", ["dspark-rnn-nowindow", "eagle3"])
+def test_export_reads_back_as_the_same_drafter(name, tmp_path):
+    recipe, target, drafter, folder = make(name, tmp_path)
     art = artifacts.read_artifact(folder)
     assert art.target_cfg["capture_layers"] == list(target.capture_layers) and art.fingerprint == artifacts.fingerprint(target)
     back = artifacts.build(art, target)
     for k, v in drafter.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
     cfg = json.loads((folder / "config.json").read_text())  # an off-by-one on the way back is refused, not loaded
-    cfg["aux_hidden_state_layer_ids"] = [i + 2 for i in target.capture_layers]
+    cfg["eagle_aux_hidden_state_layer_ids" if name == "eagle3" else "aux_hidden_state_layer_ids"] = [i + 2 for i in target.capture_layers]
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="ids must be ours"):
         artifacts.read_artifact(folder)

@@ -114,7 +114,7 @@ def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str |
         target_cfg, seed = ours["target"], ours.get("target_seed", 0)
         trained = target_cfg.get("capture_layers")
         if trained is not None and list(trained) != capture:
-            raise UserError(f"{folder}: aux_hidden_state_layer_ids {cfg['aux_hidden_state_layer_ids']} read as capture layers {capture}, "
+            raise UserError(f"{folder}: layer ids {cfg.get('aux_hidden_state_layer_ids') or cfg.get('eagle_aux_hidden_state_layer_ids')} read as capture layers {capture}, "
                             f"but the drafter was trained on {list(trained)} (ids must be ours + 1)")
     else:
         raise UserError(f"{folder}: a speculators drafter not exported by dstrain: pass --recipe RECIPE naming its target")
@@ -192,7 +192,10 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain") -
         from dstrain.decoding import formats
         from dstrain.recipe import DrafterConfig
 
-        verifier = {"name_or_path": target.name, "architectures": list(getattr(target.model.config, "architectures", None) or [])}
+        # name_or_path: the target's folder when it has one (engines load it by that name); none for built targets
+        # (random, upcycled), whose binding is our fingerprint in the dstrain section
+        verifier = {"name_or_path": artifact.target_cfg.get("path"),
+                    "architectures": list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])}
         config, tensors = formats.to_speculators(drafter, DrafterConfig(**artifact.drafter_cfg), spec, list(target.capture_layers), verifier)
         config[formats.DSTRAIN_KEY] = {**binding, "drafter": artifact.drafter_cfg}
     staging = out.with_name(f".tmp-{out.name}")

@@ -27,7 +27,8 @@ What must mean in the file exactly what it meant in training (each is tested, te
   verifier's when `draft_vocab_size` = the verifier's vocabulary, which is what we write).
 
 Not expressible in these layers (export refuses, naming the setting): MoE drafter FFNs, mHC, a learned mask
-vector, attention without q/k norms. Eagle3 and MTP-1 are not exported to this format yet.
+vector, attention without q/k norms (DFlash/DSpark). Eagle3 exports as speculators' one-Llama-layer Eagle3 (below);
+MTP-1 is not exported to this format yet.
 """
 
 from __future__ import annotations
@@ -56,12 +57,18 @@ def capture_from_speculators(aux_ids: list[int]) -> list[int]:
 
 
 def check_exportable(cfg) -> None:
-    """One clear line for each drafter setting the speculators DFlash/DSpark layers cannot express."""
-    if cfg.type not in ("dspark", "dflash"):
-        raise UserError(f"--format speculators: drafter.type={cfg.type} is not exported to this format yet (dspark and dflash are)")
+    """One clear line for each drafter setting the speculators DFlash/DSpark/Eagle3 layers cannot express."""
+    if cfg.type not in ("dspark", "dflash", "eagle3"):
+        raise UserError(f"--format speculators: drafter.type={cfg.type} is not exported to this format yet (dspark, dflash and eagle3 are)")
     problems = []
     if cfg.ffn.type != "dense":
         problems.append("drafter.ffn.type=dense (the speculators layer is a dense SwiGLU)")
+    if cfg.type == "eagle3":
+        if cfg.sliding_window is not None:
+            problems.append("drafter.sliding_window=null (speculators' Eagle3 window is not the packed window)")
+        if problems:
+            raise UserError("--format speculators: train the Eagle3 drafter with " + ", ".join(problems) + ", or export --format dstrain")
+        return
     if cfg.mhc.enabled:
         problems.append("drafter.mhc.enabled=false (no hyper-connections in the speculators layer)")
     if not cfg.qk_norm:
@@ -73,17 +80,19 @@ def check_exportable(cfg) -> None:
                         "train it with " + ", ".join(problems) + ", or export --format dstrain")
 
 
-def _layer_config(cfg, spec, num_layers: int) -> dict:
+def _layer_config(cfg, spec, num_layers: int, model_type: str = "qwen3") -> dict:
     from dstrain.models.layers import attention_shape
 
     heads, kv_heads, head_dim = attention_shape(cfg, spec)
-    layer = {"model_type": "qwen3", "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+    layer = {"model_type": model_type, "mlp_bias": False, "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
              "intermediate_size": cfg.ffn.intermediate_size or spec.intermediate_size, "num_hidden_layers": num_layers,
              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_act": "silu",
              "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False, "max_position_embeddings": 131072,
              "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
              "is_causal": False}  # vLLM: bidirectional inside the block even on sliding layers
-    if cfg.sliding_window is not None:
+    if model_type == "llama":
+        layer.pop("is_causal")
+    if cfg.sliding_window is not None and model_type == "qwen3":
         layer.update(sliding_window=cfg.sliding_window, layer_types=["sliding_attention"] * num_layers, use_sliding_window=True)
     return layer
 
@@ -91,6 +100,8 @@ def _layer_config(cfg, spec, num_layers: int) -> dict:
 def to_speculators(drafter, cfg, spec, capture_layers: list[int], verifier: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, safetensors dict) of a BlockDrafter in speculators' DFlash/DSpark layout."""
     check_exportable(cfg)
+    if cfg.type == "eagle3":
+        return _eagle3_to_speculators(drafter, cfg, spec, capture_layers, verifier)
     sd = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()}
     out: dict[str, torch.Tensor] = {"fc.weight": sd.pop("fuse.weight"), "hidden_norm.weight": sd.pop("fuse_norm.weight"),
                                     "norm.weight": sd.pop("norm.weight")}
@@ -133,6 +144,57 @@ def to_speculators(drafter, cfg, spec, capture_layers: list[int], verifier: dict
     return config, out
 
 
+# Eagle3: our ChainDrafter (one layer, no q/k norm) is speculators' Llama first layer: q/k/v read
+# [input_layernorm(embed(x_{j+1})); hidden_norm(g_j)], the residual is the un-normed g_j (norm_before_residual=False),
+# g_j = fc(concat of the captured layers) with no norm before fc, logits = lm_head(norm(h)) and the un-normed h is
+# the next step's g (norm_output=False). eagle_aux_hidden_state_layer_ids follow the same +1 convention (vLLM's
+# Eagle3 target models capture the residual stream entering layer id, i.e. leaving layer id - 1).
+_EAGLE3_NAMES = {"fuse.weight": "fc.weight", "embed_norm.weight": "layers.0.input_layernorm.weight",
+                 "hidden_norm.weight": "layers.0.hidden_norm.weight", "norm.weight": "norm.weight",
+                 "layer.ffn_norm.weight": "layers.0.post_attention_layernorm.weight",
+                 "layer.ffn.down.weight": "layers.0.mlp.down_proj.weight",
+                 **{f"layer.{p}.weight": f"layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}}
+
+
+def _eagle3_to_speculators(drafter, cfg, spec, capture_layers, verifier) -> tuple[dict, dict[str, torch.Tensor]]:
+    sd = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()}
+    out = {dst: sd.pop(src) for src, dst in _EAGLE3_NAMES.items()}
+    gate, up = sd.pop("layer.ffn.gate_up.weight").chunk(2, dim=0)
+    out["layers.0.mlp.gate_proj.weight"], out["layers.0.mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+    if sd:
+        raise UserError(f"--format speculators: weights with no place in the format: {sorted(sd)[:4]}")
+    config = {
+        "speculators_model_type": "eagle3", "speculators_version": SPECULATORS_VERSION, "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": _layer_config(cfg, spec, 1, "llama"), "draft_vocab_size": spec.vocab_size,
+        "target_hidden_size": spec.hidden_size, "eagle_aux_hidden_state_layer_ids": capture_to_speculators(capture_layers),
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size}],
+                               "verifier": verifier},
+    }
+    return config, out
+
+
+def _eagle3_from_speculators(config: dict, tensors: dict[str, torch.Tensor], source: Path) -> tuple[dict, list[int], dict]:
+    layer = config["transformer_layer_config"]
+    flags = {k: config.get(k, False) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    if any(flags.values()) or int(layer["num_hidden_layers"]) != 1 or layer.get("model_type", "llama") != "llama":
+        raise UserError(f"{source}: an Eagle3 variant dstrain does not build (one Llama layer with {flags} all false is)")
+    t = dict(tensors)
+    sd = {src: t.pop(dst) for src, dst in _EAGLE3_NAMES.items()}
+    sd["layer.ffn.gate_up.weight"] = torch.cat([t.pop("layers.0.mlp.gate_proj.weight"), t.pop("layers.0.mlp.up_proj.weight")], dim=0)
+    for ignored in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t"):
+        t.pop(ignored, None)
+    if t:
+        raise UserError(f"{source}: weights dstrain's eagle3 drafter has no place for: {sorted(t)[:4]}")
+    gamma = int(config["speculators_config"]["proposal_methods"][0].get("speculative_tokens", 3))
+    drafter = {"type": "eagle3", "num_layers": 1, "block_size": gamma, "sliding_window": None, "head": "none", "confidence": False,
+               "num_heads": int(layer["num_attention_heads"]),
+               "head_dim": int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
+               "ffn": {"type": "dense", "intermediate_size": int(layer["intermediate_size"])}}
+    return drafter, capture_from_speculators(config["eagle_aux_hidden_state_layer_ids"]), sd
+
+
 def is_speculators(config: dict) -> bool:
     return "speculators_model_type" in config
 
@@ -140,8 +202,10 @@ def is_speculators(config: dict) -> bool:
 def from_speculators(config: dict, tensors: dict[str, torch.Tensor], source: Path) -> tuple[dict, list[int], dict]:
     """(drafter section, capture layers, dstrain state dict) of a speculators DFlash/DSpark folder."""
     kind = config["speculators_model_type"]
+    if kind == "eagle3":
+        return _eagle3_from_speculators(config, tensors, source)
     if kind not in ("dspark", "dflash"):
-        raise UserError(f"{source}: speculators_model_type={kind!r}: dstrain reads dspark and dflash folders")
+        raise UserError(f"{source}: speculators_model_type={kind!r}: dstrain reads dspark, dflash and eagle3 folders")
     if not config.get("sample_from_anchor", kind == "dspark"):
         raise UserError(f"{source}: sample_from_anchor=false (only the mask slots predict): dstrain's blocks predict from the anchor")
     if config.get("mask_token_id") is None:
