@@ -77,7 +77,7 @@ def train(recipe) -> int:
         skip_shm_comm_op()
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    start_watchdog(world, run_dir)
+    start_watchdog(world, run_dir, recipe.run.stall_timeout_s, recipe.run.stall_factor)
     if world.is_main:  # so evaluate/export can load the run without the recipe file
         from dstrain.decoding.artifacts import save_run_recipe
 

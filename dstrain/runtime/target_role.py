@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from dstrain.runtime.channel import Sender, needed_rows, recv_resume
+from dstrain.runtime.watchdog import progress
 from dstrain.train.step import pack_step, padded_batch
 
 
@@ -43,6 +44,7 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
     served = lay.drafters_of_replica(replica)
     loaders = {j: make_loader(j, lay.drafters) for j in served}
     start = None
+    progress(-1, "resume")
     for j in served:  # every drafter of this replica says where the run stands
         step, state = recv_resume(lay.drafter_rank(j))
         if state is not None:
@@ -62,10 +64,12 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
                     packed = pack_step(r, samples, step)
                     ctx, finals = needed_rows(packed)
                     ids, att, lengths = padded_batch(samples)
+                    progress(step, "forward")
                     out = target(ids, att)
                     captured = out.captured if out is not None else target.local_captured
                     final = out.final_hidden if out is not None else target.final_hidden
                     dst = lay.drafter_rank(j)
+                    progress(step, "send")  # back-pressure: waits while the drafter has not taken the oldest
                     if is_lead:
                         sender.send_lead(dst, step, mb, samples, _flat(final, lengths)[finals], len(ctx),
                                          len(target.capture_layers), loaders[j].state_dict())

@@ -1,40 +1,63 @@
-"""No hangs when a rank dies: heartbeats through the rendezvous store, and a watcher on every rank.
+"""No hangs when a rank dies or gets stuck: heartbeats with progress through the rendezvous store, and a
+watcher on every rank.
 
-A blocked gloo/NCCL call never returns when its peer is gone, so each rank runs a daemon thread that
-(1) bumps its own heartbeat counter in the store every second, (2) reads the counters of its next
-`WATCHED` ranks (a ring: constant store load per rank however large the world), and (3) reads one
-shared `abort` key. A watched peer whose counter stops moving for `DSTRAIN_HEARTBEAT_TIMEOUT_S`
-(default 20 s), or a peer that recorded an error, makes the watcher publish the verdict in `abort`;
-every rank that sees it prints one line naming the culprit rank and its role and ends with exit code
-3 — whatever its main thread is blocked in. A lost store (the launcher holding it is gone) ends the
-rank the same way.
+A blocked gloo/NCCL call never returns when its peer is gone or frozen, so each rank runs a daemon thread
+that (1) bumps its own heartbeat counter in the store every second and publishes its *progress* (the step
+and phase its main thread is in, how long it has been there, and the stall bound it is held to), (2) reads
+the counters and progress of its next `WATCHED` ranks (a ring: constant store load per rank however large
+the world), and (3) reads one shared `abort` key. Every rank that sees a verdict prints one line naming the
+culprit rank, its role and its last step/phase, and ends with exit code 3 — whatever its main thread is
+blocked in. A lost store (the launcher holding it is gone) ends the rank the same way.
 
-A rank that ends cleanly marks itself done, so the others stop watching it. A rank stopped by a
-signal (its launcher tearing down a node after a local failure) records that, and the watchers keep
-looking for the rank that actually stopped responding before they report.
+The stall bound comes from the run's own step times: `max(run.stall_timeout_s, run.stall_factor × the
+slowest of the rank's last steps)`; before a rank finishes its first step (loading weights, DeepSpeed
+setup) it is `DSTRAIN_HEARTBEAT_TIMEOUT_S` (20 s) or the floor, whichever is larger.
+
+Two ways a rank stops making progress, told apart:
+- **silent** — its heartbeat stops (SIGSTOP, killed, the whole process frozen). Where the watcher shares
+  the host with it, /proc says which: *stopped* (state T: SIGSTOP or a debugger), *died* (gone or a zombie;
+  named within a few seconds, no need to wait for the bound), or *hung* (running but its heartbeat thread
+  is frozen). A stopped or hung rank on this host is then SIGKILLed: it cannot end itself, and the launcher
+  would otherwise wait its own grace period (30 s in torchrun) before doing so. From another host the
+  verdict says it cannot tell which.
+- **stuck but alive** — its heartbeat continues but its step/phase has not moved for longer than its bound
+  in a phase where it does its own work (not one where it waits on others), while the watcher itself is
+  waiting too. It sees the verdict and exits like every other rank.
+
+A rank that ends cleanly marks itself done, so the others stop watching it. A rank stopped by a signal
+(its launcher tearing down a node after a local failure) records that, and the watchers keep looking for
+the rank that actually stopped responding before they report. Keys live under the launcher's restart
+count (TORCHELASTIC_RESTART_COUNT), so a run restarted by `torchrun --max-restarts` starts with a clean slate.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from collections import deque
 from datetime import timedelta
 
 import torch.distributed as dist
 
 EXIT_PEER_FAILED = 3
 WATCHED = 4  # ring neighbours each rank watches
+DEAD_AFTER_S = 3.0
+STUCK_MARGIN_S = 3.0  # a stuck-but-alive verdict waits this much longer than a silent one  # a same-host peer whose process is gone and whose heartbeat stopped this long has died
+WAITING = frozenset({"recv", "send", "barrier", "resume", "done"})  # phases that wait on other ranks
 _STATE: dict = {}
 
 
 def _store():
     from torch.distributed.distributed_c10d import _get_default_store
 
-    return dist.PrefixStore("dstrain-watchdog/", _get_default_store())
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"dstrain-watchdog/{restart}/", _get_default_store())
 
 
 def _say(line: str) -> None:
@@ -42,15 +65,68 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def start_watchdog(world, run_dir=None) -> None:
+def _host_id() -> str:
+    """Two ranks with the same id see each other's pids in /proc."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{socket.gethostname()}|{ns}"
+
+
+def process_state(pid: int) -> str:
+    """'gone', 'zombie', 'stopped' (SIGSTOP / traced) or 'running' for a pid of this host."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return {"Z": "zombie", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
+
+
+class Progress:
+    """What the main thread is doing, read by the watcher thread (plain attribute writes: no lock needed)."""
+
+    def __init__(self, floor: float, factor: float, warmup: float):
+        self.floor, self.factor, self.warmup = floor, factor, warmup
+        self.step, self.phase, self.since = -1, "init", time.monotonic()
+        self.step_times: deque[float] = deque(maxlen=20)
+        self._step_start: float | None = None
+        self._changes = 0
+
+    def set(self, step: int, phase: str) -> None:
+        now = time.monotonic()
+        if step != self.step:
+            # a step's duration is measured between two step changes of this process, the first one left out (it
+            # includes the peers' start-up: loading weights, DeepSpeed's setup)
+            if self._step_start is not None and step == self.step + 1 and self._changes > 1:
+                self.step_times.append(now - self._step_start)
+            self._step_start = now if step >= 0 else None
+            self._changes += step >= 0
+        self.step, self.phase, self.since = step, phase, now
+
+    def bound(self) -> float:
+        if not self.step_times:
+            return max(self.floor, self.warmup)
+        return max(self.floor, self.factor * max(self.step_times))
+
+    def snapshot(self) -> dict:
+        return {"step": self.step, "phase": self.phase, "stalled": round(time.monotonic() - self.since, 2),
+                "bound": round(self.bound(), 2)}
+
+
+def start_watchdog(world, run_dir=None, stall_floor_s: float = 30.0, stall_factor: float = 10.0) -> None:
     if world.world_size == 1 or _STATE:
         return
-    timeout = float(os.environ.get("DSTRAIN_HEARTBEAT_TIMEOUT_S", "20"))
+    warmup = float(os.environ.get("DSTRAIN_HEARTBEAT_TIMEOUT_S", "20"))
     store = _store()
     store.set_timeout(timedelta(seconds=10))
     describe = world.layout.describe if world.layout else (lambda r: f"rank {r}")
-    _STATE.update(store=store, rank=world.rank, timeout=timeout, describe=describe)
-    if run_dir is not None:  # lets operators (and the failure test) find each rank's process
+    progress = Progress(stall_floor_s, stall_factor, warmup)
+    _STATE.update(store=store, rank=world.rank, describe=describe, progress=progress, host=_host_id(),
+                  timeout=max(stall_floor_s, warmup))
+    store.set(f"host/{world.rank}", json.dumps({"host": _STATE["host"], "pid": os.getpid()}))
+    if run_dir is not None:  # lets operators (and the failure tests) find each rank's process
         pids = run_dir / "pids"
         pids.mkdir(parents=True, exist_ok=True)
         (pids / f"rank-{world.rank}").write_text(str(os.getpid()))
@@ -60,11 +136,23 @@ def start_watchdog(world, run_dir=None) -> None:
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
-    thread = threading.Thread(target=_watch, args=(world.rank, world.world_size, timeout, describe), daemon=True,
+    thread = threading.Thread(target=_watch, args=(world.rank, world.world_size, describe), daemon=True,
                               name="dstrain-watchdog")
     _STATE.update(stop=threading.Event(), thread=thread)
     thread.start()
     atexit.register(stop_watchdog)
+
+
+def progress(step: int, phase: str) -> None:
+    """The main thread enters `phase` of `step` (cheap: two attribute writes; the watcher publishes it).
+    `DSTRAIN_INJECT_HANG=RANK:STEP:PHASE` (tests, tools/chaos.py) makes that rank hang there, heartbeat alive."""
+    if not _STATE:
+        return
+    _STATE["progress"].set(step, phase)
+    hang = os.environ.get("DSTRAIN_INJECT_HANG")
+    if hang and hang.split(":") == [str(_STATE["rank"]), str(step), phase]:
+        while True:
+            time.sleep(3600)
 
 
 def stop_watchdog() -> None:
@@ -101,23 +189,53 @@ def on_comm_error(exc: BaseException) -> None:
 
 def mark_done() -> None:
     if _STATE:
+        _STATE["progress"].set(_STATE["progress"].step, "done")
         try:
             _STATE["store"].set(f"done/{_STATE['rank']}", "1")
         except Exception:  # noqa: BLE001
             pass
 
 
-def _watch(rank: int, size: int, timeout: float, describe) -> None:
-    store = _STATE["store"]
+def _where(p: dict | None) -> str:
+    if not p:
+        return "before its first heartbeat"
+    return f"last seen at step {p['step']}, phase '{p['phase']}'" if p["step"] >= 0 else f"last seen in phase '{p['phase']}'"
+
+
+def _silent_verdict(store, r: int, describe, p: dict | None, silent_for: float) -> tuple[str, bool]:
+    """(what happened to a rank whose heartbeat stopped, whether this watcher should SIGKILL it)."""
+    try:
+        where = json.loads(store.get(f"host/{r}").decode())
+    except Exception:  # noqa: BLE001
+        where = None
+    if where is None or where["host"] != _STATE["host"]:
+        host = where["host"].split("|")[0] if where else "unknown host"
+        return (f"{describe(r)} stopped responding: no heartbeat for {silent_for:.0f} s, {_where(p)} (on {host}: "
+                "killed, stopped or hung, not visible from here)"), False
+    state = process_state(where["pid"])
+    if state in ("gone", "zombie"):
+        return f"{describe(r)} died (process {where['pid']} is gone), {_where(p)}", False
+    if state == "stopped":
+        return (f"{describe(r)} is stopped (process {where['pid']} alive but frozen by SIGSTOP or a debugger; no "
+                f"heartbeat for {silent_for:.0f} s), {_where(p)}"), True
+    return (f"{describe(r)} is hung (process {where['pid']} running but no heartbeat for {silent_for:.0f} s), "
+            f"{_where(p)}"), True
+
+
+def _watch(rank: int, size: int, describe) -> None:
+    store, me = _STATE["store"], _STATE["progress"]
     peers = [(rank + k) % size for k in range(1, min(WATCHED, size - 1) + 1)]
     seen = {r: (-1, time.monotonic()) for r in peers}
+    last_progress: dict[int, dict] = {}
     signalled_since = None
     while not _STATE["stop"].wait(1.0):
         try:
             store.add(f"hb/{rank}", 1)
+            store.set(f"progress/{rank}", json.dumps(me.snapshot()))
             verdict = store.get("abort").decode() if store.check(["abort"]) else ""
             now = time.monotonic()
-            stale, failed, signalled = [], [], []
+            culprits, stuck, failed, signalled, to_kill = [], [], [], [], []
+            silent_any = 0.0
             for r in peers:
                 if verdict or store.check([f"done/{r}"]):
                     continue
@@ -126,27 +244,48 @@ def _watch(rank: int, size: int, timeout: float, describe) -> None:
                     (signalled if msg.startswith(COLLATERAL) else failed).append((r, msg))
                     continue
                 count = store.add(f"hb/{r}", 0)
+                if store.check([f"progress/{r}"]):
+                    last_progress[r] = json.loads(store.get(f"progress/{r}").decode())
+                p = last_progress.get(r)
                 if count != seen[r][0]:
                     seen[r] = (count, now)
-                elif now - seen[r][1] > timeout:
-                    stale.append(r)
+                    # alive, but its own work has not moved past its bound (plus a margin, so that a peer it waits
+                    # on that went silent is named first) while this rank waits too
+                    if (p and p["step"] >= 0 and p["phase"] not in WAITING and p["stalled"] > p["bound"] + STUCK_MARGIN_S
+                            and now - me.since > p["bound"]):
+                        stuck.append(f"{describe(r)} is stuck: alive (heartbeat continues) but no progress for "
+                                     f"{p['stalled']:.0f} s (bound {p['bound']:.0f} s from its step times), {_where(p)}")
+                    continue
+                silent_for = now - seen[r][1]
+                silent_any = max(silent_any, silent_for)
+                if silent_for > DEAD_AFTER_S:
+                    line, kill = _silent_verdict(store, r, describe, p, silent_for)
+                    if silent_for > (p["bound"] if p else _STATE["timeout"]) or " died " in line:
+                        culprits.append(line)
+                        if kill:
+                            to_kill.append(r)
+            if not culprits and silent_any < 2.0:
+                culprits = stuck
         except Exception as exc:  # noqa: BLE001 — the store's host (launcher) is gone: nobody can coordinate
             _say(f"{describe(rank)} lost the rendezvous store ({type(exc).__name__}); the launcher or node holding it "
                  "is gone. Stopping.")
             os._exit(EXIT_PEER_FAILED)
         if not verdict:
-            if signalled and not failed and not stale:
+            if signalled and not failed and not culprits:
                 signalled_since = signalled_since or now
-                if now - signalled_since <= timeout:  # wait for the rank that actually died to go stale
+                if now - signalled_since <= _STATE["timeout"]:  # wait for the rank that actually died to go stale
                     continue
-            if not (failed or stale or signalled):
+            if not (failed or culprits or signalled):
                 continue
-            parts = [f"{describe(r)} failed: {m}" for r, m in failed]
-            parts += [f"{describe(r)} stopped responding (no heartbeat for {timeout:.0f} s: killed, crashed or hung)"
-                      for r in stale]
+            parts = [f"{describe(r)} failed: {m}" for r, m in failed] + culprits
             parts += [f"{describe(r)} was {m}" for r, m in signalled]
             try:
-                store.compare_set("abort", "", "; ".join(parts))
+                if store.compare_set("abort", "", "; ".join(parts)).decode() == "; ".join(parts):
+                    for r in to_kill:  # it cannot end itself; the launcher would wait its grace period first
+                        try:
+                            os.kill(json.loads(store.get(f"host/{r}").decode())["pid"], signal.SIGKILL)
+                        except Exception:  # noqa: BLE001
+                            pass
                 verdict = store.get("abort").decode()  # the first verdict wins, so every rank prints the same
             except Exception:  # noqa: BLE001
                 verdict = "; ".join(parts)
