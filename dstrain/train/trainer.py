@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dstrain.models.contract import spec_from_config
 from dstrain.models.registry import build_drafter
 from dstrain.monitor import Monitor, peak_memory_mb
+from dstrain.runtime.watchdog import progress
 from dstrain.train import checkpoint
 from dstrain.train.losses import position_weights
 from dstrain.train.step import DraftStep
@@ -93,7 +94,11 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------------------------------
     def resume(self) -> None:
-        tag = checkpoint.latest(self.ckpt_dir)
+        tag = checkpoint.latest(self.ckpt_dir) if self.is_main else None  # verified once, the choice shared
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            box = [tag]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            tag = box[0]
         if tag is None:
             return
         client = checkpoint.load(self.engine, self.ckpt_dir, tag)
@@ -101,8 +106,11 @@ class Trainer:
         self.step = client["step"]
 
     def save(self) -> None:
+        w = self.recipe.world
+        layout = {"mode": w.mode, "drafter_ranks": self.dp_world, "target": w.target.model_dump(),
+                  "zero_stage": self.recipe.deepspeed.zero_stage, "precision": self.recipe.deepspeed.precision}
         checkpoint.save(self.engine, self.ckpt_dir, self.step, {"step": self.step, "loader": self.source.state_dict()},
-                        self.recipe.train.keep_checkpoints, self.is_main, self.group)
+                        self.recipe.train.keep_checkpoints, self.is_main, self.group, world=layout)
 
     # -- one step ----------------------------------------------------------------------------------------
     def train_step(self, micro) -> dict:
@@ -175,8 +183,12 @@ class Trainer:
         t_last = time.perf_counter()
         window = {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
         try:
+            fetch = "recv" if getattr(self.source, "receiver", None) is not None else "data"  # waiting on the target, or reading
             while self.step < r.train.steps:
-                metrics = self.train_step(self.source.next_step(self.step))
+                progress(self.step, fetch)
+                micro = self.source.next_step(self.step)
+                progress(self.step, "train")
+                metrics = self.train_step(micro)
                 self.step += 1
                 window["steps"] += 1
                 window["bytes"] += self.source.traffic().get("channel_bytes_received", 0)
@@ -195,6 +207,7 @@ class Trainer:
                     monitor.log(self.step, metrics)
                     t_last, window = now, {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
                 if self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
+                    progress(self.step, "save")
                     self.save()
         finally:
             monitor.close()

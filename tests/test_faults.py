@@ -1,0 +1,155 @@
+"""Faults survived (issue 15): stuck ranks named within a bound from the run's own step times, verified
+checkpoints, automatic restart. Multi-process checks launch torchrun as a subprocess with a hard timeout
+and OMP_NUM_THREADS=1 (2 cores)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, free_port
+from dstrain.data.shards import synthetic_shards
+
+COLLECTIVE_TIMEOUT_S = 600  # the job's own collective timeout (DSTRAIN_COLLECTIVE_TIMEOUT_S default)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults") / "shards"
+    synthetic_shards(str(out), "tiny-moe", 512, 192, seed=0)
+    return out
+
+
+def disagg_args(shards, out, steps, *extra):
+    return ["dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={shards}", f"train.steps={steps}",
+            "train.warmup_steps=1", "train.log_every=1", "drafter.ffn.type=dense", "data.shuffle=false",
+            "train.grad_accum=2", "world.mode=disaggregated", "world.target.tp=2", "world.drafter_ranks=2",
+            "target.backend=megatron", "train.micro_batch_size=2", "run.stall_timeout_s=5", f"run.output_dir={out}", *extra]
+
+
+def launch(args, max_restarts=0, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           "--max-restarts", str(max_restarts), *map(str, args)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for_step(proc, run, step, timeout=240):
+    """Until metrics.jsonl has `step`; returns the rank pids of the current launch."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        m = run / "metrics.jsonl"
+        if m.exists() and any(json.loads(x)["step"] >= step for x in m.read_text().splitlines() if x.strip()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("victim,named", [
+    (3, "rank 3 (target replica 0, pipeline stage 0, tensor rank 1) is stopped"),
+    (1, "rank 1 (drafter 1) is stopped"),
+])
+def test_sigstopped_rank_is_named_well_before_the_collective_timeout(shards, tmp_path, victim, named):
+    """SIGSTOP one rank mid-run: its heartbeat stops, the watchers see from /proc that it is frozen (not dead),
+    name it with its role and last step/phase, SIGKILL it, and the whole job exits non-zero within the stall
+    bound (floor run.stall_timeout_s=5 here, or 10 x its slowest recent step) — not after the 600 s timeout."""
+    proc = launch(disagg_args(shards, tmp_path, 100000))
+    run = tmp_path / "tiny-moe-dspark"
+    try:
+        wait_for_step(proc, run, 15)  # past the first steps: the bound now comes from measured step times
+        pid = int((run / "pids" / f"rank-{victim}").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.time()
+        _, err = proc.communicate(timeout=120)
+        elapsed = time.time() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    verdicts = [line[line.index("dstrain: "):] for line in err.splitlines() if "dstrain: " in line and ". Stopping" in line]
+    print(f"SIGSTOP rank {victim}: job gone {elapsed:.1f} s later; verdict: {verdicts[:1]}")
+    assert proc.returncode != 0
+    assert elapsed < COLLECTIVE_TIMEOUT_S / 10, elapsed
+    assert verdicts and all(named in v for v in verdicts), err[-4000:]
+    assert elapsed < 5 + 10, elapsed  # the bound here is the 5 s floor (steps take ~0.3 s); heartbeats are 1 s apart
+    assert "last seen at step" in verdicts[0] and len(set(v.split(". Stopping")[0] for v in verdicts)) == 1
+
+
+# ----------------------------------------------------------------------------- verified checkpoints
+def colocated(shards, out, steps, *extra):
+    from conftest import run_tool
+
+    return run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={shards}", f"train.steps={steps}",
+                    "train.warmup_steps=1", "train.log_every=1", "drafter.ffn.type=dense", "train.checkpoint_every=2",
+                    f"run.output_dir={out}", *extra, check=False, timeout=300)
+
+
+def metrics(run):
+    return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_good_one(shards, tmp_path):
+    """The manifest (written last) lists every file with size and checksum, the step, world layout and data
+    position. A truncated latest checkpoint is reported in one line and the run resumes from the one before,
+    repeating exactly the losses the first run had; an altered byte is caught by the checksum; none good is
+    a one-line error with exit 2."""
+    from dstrain.train.checkpoint import MANIFEST, verify
+
+    run = tmp_path / "tiny-moe-dspark"
+    ckpts = run / "checkpoints"
+    first = colocated(shards, tmp_path, 4)
+    assert first.returncode == 0, first.stderr[-3000:]
+    reference = metrics(run)
+    man = json.loads((ckpts / "step-4" / MANIFEST).read_text())
+    assert man["step"] == 4 and man["world"]["drafter_ranks"] == 1 and man["data"]["consumed"] > 0
+    assert man["files"] and all(v["bytes"] > 0 and len(v["sha256"]) == 64 for v in man["files"].values())
+    assert verify(ckpts / "step-2") is None and verify(ckpts / "step-4") is None
+    # truncate the latest: resume from step-2, steps 3-4 repeat the first run's losses exactly
+    step2_written = (ckpts / "step-2" / MANIFEST).stat().st_mtime_ns
+    victim = ckpts / "step-4" / next(iter(man["files"]))
+    victim.write_bytes(victim.read_bytes()[:100])
+    second = colocated(shards, tmp_path, 4)
+    assert second.returncode == 0, second.stderr[-3000:]
+    notes = [line for line in second.stderr.splitlines() if "is damaged" in line]
+    assert len(notes) == 1 and "step-4 is damaged" in notes[0] and "truncated" in notes[0] and "step-2" in notes[0], notes
+    assert metrics(run) == reference  # steps 3-4 redone (the log is rewritten past the checkpoint), bit-equal
+    assert (ckpts / "step-2" / MANIFEST).stat().st_mtime_ns == step2_written  # resumed from it, not from scratch
+    # alter one byte of the (rewritten) latest and truncate the other: nothing good is left
+    name = next(iter(json.loads((ckpts / "step-4" / MANIFEST).read_text())["files"]))
+    data = bytearray((ckpts / "step-4" / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (ckpts / "step-4" / name).write_bytes(bytes(data))
+    assert "altered" in verify(ckpts / "step-4")
+    other = ckpts / "step-2" / name
+    other.write_bytes(other.read_bytes()[:-1])
+    third = colocated(shards, tmp_path, 6)
+    errors = [line for line in third.stderr.splitlines() if line.startswith("error:")]
+    assert third.returncode == 2 and len(errors) == 1, third.stderr[-3000:]
+    assert "no good checkpoint" in errors[0] and "step-4" in errors[0] and "step-2" in errors[0], errors
+
+
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(shards, tmp_path):
+    """A 2 MiB tmpfs holds one tiny checkpoint (1.2 MB) but not two: the second save hits ENOSPC, the run ends
+    in one line (exit 2) naming the intact previous checkpoint, which still verifies; no staging is left."""
+    from dstrain.train.checkpoint import verify
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        proc = colocated(shards, disk, 6)
+        ckpts = disk / "tiny-moe-dspark" / "checkpoints"
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+        assert "disk is full" in errors[0] and "step-4" in errors[0] and "step-2" in errors[0] and "intact" in errors[0]
+        assert (ckpts / "latest").read_text() == "step-2" and verify(ckpts / "step-2") is None
+        assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-2"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
