@@ -156,12 +156,17 @@ class DrafterConfig(Section):
     confidence: bool = True
     qk_norm: bool = Field(False, description="per-head RMSNorm on queries and keys (Qwen3-style; the speculators/vLLM/SGLang "
                                               "DFlash and DSpark layers have it: needed to export to those formats)")
+    sample_from_anchor: bool = Field(True, description="True: the anchor slot predicts (block_size slots, block_size "
+                                                       "predictions; paper §3.1). False: the paper's original DFlash — the "
+                                                       "anchor plus block_size mask slots, only the masks predict")
     mask_token_id: int | None = Field(None, ge=0, description="block slots after the anchor: None = a learned mask embedding; "
                                                              "a token id = the target's frozen embedding of that token (the "
                                                              "speculators/vLLM/SGLang convention; needed to export to them)")
 
     @model_validator(mode="after")
     def _check_family(self) -> "DrafterConfig":
+        if not self.sample_from_anchor and self.type not in ("dspark", "dflash"):
+            raise ValueError(f"drafter.sample_from_anchor=false is a block-drafter layout (dspark, dflash), not {self.type}")
         if self.type == "dspark" and self.head == "none":
             raise ValueError("drafter.type=dspark needs a sequential head (head=markov or rnn); head=none is dflash")
         if self.type != "dspark" and (self.head != "none" or self.confidence):

@@ -37,6 +37,8 @@ VARIANTS = {
     "dspark-rnn": ["drafter.head=rnn"],
     "dspark-dense-nowindow": ["drafter.ffn.type=dense", "drafter.sliding_window=null"],
     "dflash": ["drafter.type=dflash", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0"],
+    "dflash-paper": ["drafter.type=dflash", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0",
+                     "drafter.sample_from_anchor=false"],  # anchor + γ masks, only the masks predict
     "dspark-mhc": ["drafter.mhc.enabled=true", "drafter.mhc.streams=3"],
     "eagle3": ["drafter.type=eagle3", "drafter.num_layers=1", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0"],
     "mtp": ["drafter.type=mtp", "drafter.num_layers=1", "drafter.block_size=1", "drafter.head=none",

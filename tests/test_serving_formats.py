@@ -43,6 +43,9 @@ VARIANTS = {
     "dspark-markov-window": [],
     "dspark-rnn-nowindow": ["drafter.head=rnn", "drafter.sliding_window=null"],
     "dflash": ["drafter.type=dflash", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0"],
+    "dflash-paper-masks-only": ["drafter.type=dflash", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0",
+                                "drafter.sample_from_anchor=false"],
+    "dspark-markov-masks-only": ["drafter.sample_from_anchor=false", "drafter.sliding_window=null"],
     "eagle3": ["drafter.type=eagle3", "drafter.num_layers=1", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0",
                "drafter.sliding_window=null", "drafter.block_size=3"],
 }
@@ -103,18 +106,24 @@ def theirs(folder, target, ids, anchors, monkeypatch):
     with torch.no_grad():
         hidden, logits, _targets, _mask, idx = model._backbone_forward(
             feats, ids[None], torch.ones(1, t, dtype=torch.long), hs[-1], torch.zeros(1, t, dtype=torch.long), max_anchors=k)
-        gamma = config.block_size
-        hidden = hidden.view(k, gamma, -1)
-        logits = logits.view(k, gamma, -1)
+        rows = config.block_size
+        hidden = hidden.view(k, rows, -1)
+        logits = logits.view(k, rows, -1)
         bias = conf = None
         head = getattr(model, "markov_head", None)
+        block_tokens = ids[idx].view(k, rows)
+        if config.sample_from_anchor:  # row j conditions on x_{a+j}
+            prev = block_tokens
+        else:  # row j conditions on x_{a+j-1} (speculators' DSpark forward, the same shift)
+            prev = torch.cat([block_tokens[:, :1], block_tokens[:, :-1]], dim=1)
         if head is not None:
-            prev = ids[idx].view(k, gamma)  # sample_from_anchor=True: slot k conditions on x_{a+k}
             emb = head.prev_embeddings(prev)
             bias = head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=emb)
             logits = logits + bias
             if model.confidence_head is not None:
                 conf = model.confidence_head(torch.cat([hidden, emb], dim=-1))
+    if not config.sample_from_anchor:  # the anchor row predicts nothing: rows 1..γ are our slots 0..γ−1
+        logits, bias, conf = logits[:, 1:], None if bias is None else bias[:, 1:], None if conf is None else conf[:, 1:]
     return logits, bias, conf
 
 
@@ -152,10 +161,13 @@ def test_speculators_loads_our_export_and_drafts_the_same(name, tmp_path, monkey
         assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.capture_layers]
     else:
         assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in target.capture_layers]
-        assert cfg["sample_from_anchor"] is True and cfg["mask_token_id"] == 509 and cfg["block_size"] == recipe.drafter.block_size
+        masks_only = not recipe.drafter.sample_from_anchor
+        assert cfg["sample_from_anchor"] is not masks_only and cfg["mask_token_id"] == 509
+        assert cfg["block_size"] == recipe.drafter.block_size + masks_only
+        assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == recipe.drafter.block_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 509, (48,), generator=g)
-    anchors = torch.tensor([1 if name == "eagle3" else 0, 5, 17, 30, 44])
+    anchors = torch.tensor([1 if name == "eagle3" else 0, 5, 17, 30, 42])
     with torch.no_grad():
         logits, bias, conf = ours(recipe, target, drafter, ids, anchors)
         if bias is not None:
@@ -176,7 +188,7 @@ def test_speculators_loads_our_export_and_drafts_the_same(name, tmp_path, monkey
     assert (logits - s_logits).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["dspark-rnn-nowindow", "eagle3"])
+@pytest.mark.parametrize("name", ["dspark-rnn-nowindow", "eagle3", "dflash-paper-masks-only"])
 def test_export_reads_back_as_the_same_drafter(name, tmp_path):
     recipe, target, drafter, folder = make(name, tmp_path)
     art = artifacts.read_artifact(folder)

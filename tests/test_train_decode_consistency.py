@@ -29,6 +29,8 @@ FAMILIES = {
     "dspark-rnn-mhc-qknorm-masktoken": ["drafter.head=rnn", "drafter.mhc.enabled=true", "drafter.mhc.streams=2",
                                         "drafter.qk_norm=true", "drafter.mask_token_id=7"],
     "dflash": ["drafter.type=dflash", *NO_HEADS],
+    "dflash-paper-masks-only": ["drafter.type=dflash", "drafter.sample_from_anchor=false", *NO_HEADS],
+    "dspark-markov-masks-only": ["drafter.sample_from_anchor=false"],
     "eagle3": ["drafter.type=eagle3", "drafter.num_layers=1", *NO_HEADS],
     "mtp": ["drafter.type=mtp", "drafter.num_layers=1", "drafter.block_size=1", "drafter.ffn.type=dense", *NO_HEADS],
 }

@@ -11,11 +11,13 @@ What must mean in the file exactly what it meant in training (each is tested, te
   `update_dflash`, "see #40727") and SGLang likewise (`target_layer_ids = [i - 1 ...]`,
   sgl-project/sglang `python/sglang/srt/configs/dspark.py`): both land on our 0-based indices. Writing
   ours unshifted would feed every context row from one layer too shallow.
-- **Block slots.** dstrain's blocks are anchor-predicting: slot k (0-based) predicts x_{a+k+1} and the
+- **Block slots.** By default dstrain's blocks are anchor-predicting: slot k (0-based) predicts x_{a+k+1} and the
   Markov/confidence heads condition slot k on x_{a+k} (the anchor for k = 0). That is speculators'
   `sample_from_anchor=True` (speculators `models/dspark/core.py`: `prev_token_ids = block_tokens`),
-  `block_size` = γ query rows, γ speculative tokens. The field is always written: vLLM's DSpark updater
-  defaults it to True, SGLang's normaliser to False (and then proposes `block_size − 1` tokens).
+  `block_size` = γ query rows, γ speculative tokens. With `drafter.sample_from_anchor=false` (the paper's
+  original DFlash) the block is the anchor plus γ masks: `sample_from_anchor=False`, `block_size` = γ + 1
+  rows, γ speculative tokens, mask row j predicting x_{a+j} and conditioned on x_{a+j−1}. The field is always
+  written: vLLM's DSpark updater defaults it to True, SGLang's normaliser to False (proposing `block_size − 1`).
 - **Mask token.** speculators, vLLM and SGLang fill slots 1..γ−1 with the target's embedding of
   `mask_token_id`; a drafter must be trained with `drafter.mask_token_id` set (not a learned mask vector).
 - **Context window and in-block attention.** A sliding window W means the keys [a − W, a) (speculators'
@@ -132,8 +134,10 @@ def to_speculators(drafter, cfg, spec, capture_layers: list[int], verifier: dict
         "architectures": ["DSparkSpeculator" if algorithm == "dspark" else "DFlashSpeculator"],
         "transformer_layer_config": _layer_config(cfg, spec, cfg.num_layers),
         "draft_vocab_size": spec.vocab_size, "target_hidden_size": spec.hidden_size,
-        "block_size": cfg.block_size, "aux_hidden_state_layer_ids": capture_to_speculators(capture_layers),
-        "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": True, "sample_from_anchor": True,
+        # block_size counts query rows: γ with the anchor predicting, γ + 1 (anchor + γ masks) without
+        "block_size": cfg.block_size + (0 if cfg.sample_from_anchor else 1),
+        "aux_hidden_state_layer_ids": capture_to_speculators(capture_layers),
+        "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": True, "sample_from_anchor": bool(cfg.sample_from_anchor),
         "speculators_config": {"algorithm": algorithm, "default_proposal_method": "greedy",
                                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size}],
                                "verifier": verifier},
@@ -206,8 +210,7 @@ def from_speculators(config: dict, tensors: dict[str, torch.Tensor], source: Pat
         return _eagle3_from_speculators(config, tensors, source)
     if kind not in ("dspark", "dflash"):
         raise UserError(f"{source}: speculators_model_type={kind!r}: dstrain reads dspark, dflash and eagle3 folders")
-    if not config.get("sample_from_anchor", kind == "dspark"):
-        raise UserError(f"{source}: sample_from_anchor=false (only the mask slots predict): dstrain's blocks predict from the anchor")
+    from_anchor = bool(config.get("sample_from_anchor", kind == "dspark"))  # speculators' own per-algorithm default
     if config.get("mask_token_id") is None:
         raise UserError(f"{source}: no mask_token_id in config.json")
     layer = config["transformer_layer_config"]
@@ -222,7 +225,8 @@ def from_speculators(config: dict, tensors: dict[str, torch.Tensor], source: Pat
     confidence = bool(config.get("enable_confidence_head", True)) if kind == "dspark" else False
     if confidence and not config.get("confidence_head_with_markov", True):
         raise UserError(f"{source}: confidence_head_with_markov=false: dstrain's confidence head reads [h; W1[x_prev]]")
-    drafter = {"type": kind, "num_layers": n, "block_size": int(config["block_size"]), "sliding_window": window,
+    drafter = {"type": kind, "num_layers": n, "block_size": int(config["block_size"]) - (0 if from_anchor else 1),
+               "sample_from_anchor": from_anchor, "sliding_window": window,
                "num_heads": int(layer["num_attention_heads"]), "head_dim": int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
                "ffn": {"type": "dense", "intermediate_size": int(layer["intermediate_size"])},
                "head": head, "head_rank": markov or 256, "confidence": confidence, "qk_norm": True,

@@ -67,19 +67,28 @@ class BlockDrafter(nn.Module):
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoE)]
 
     def backbone(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The parallel stage: normed hidden states [N, γ, d] of every block position, and the MoE aux loss."""
+        """The parallel stage: normed hidden states [N, γ, d] of the γ predicting slots, and the MoE aux loss.
+
+        sample_from_anchor (default): γ slots at positions a..a+γ−1, the anchor's slot predicts x_{a+1}.
+        Otherwise (the paper's original DFlash): γ+1 slots at a..a+γ, the anchor's slot is only read (a key/value
+        for the masks) and mask slot j at a+j predicts x_{a+j}; its hidden state is dropped. Either way output
+        slot k predicts x_{a+k+1}, so packing, labels, losses and decoding are the same for both."""
         dtype = self.fuse.weight.dtype
         with torch.no_grad():
             anchor_embed = self._embedding(packed.block_tokens[:, :1]).to(dtype)
         n, gamma = packed.block_tokens.shape
-        x = torch.cat([anchor_embed, self._mask_slot(dtype).expand(n, gamma - 1, -1)], dim=1)
+        block_pos = packed.block_pos
+        extra = 0 if self.cfg.sample_from_anchor else 1
+        if extra:
+            block_pos = torch.cat([block_pos[:, :1], block_pos + 1], dim=1)
+        x = torch.cat([anchor_embed, self._mask_slot(dtype).expand(n, gamma - 1 + extra, -1)], dim=1)
         ctx = self.fuse_norm(self.fuse(ctx_features.reshape(ctx_features.shape[0], -1).to(dtype)))
         aux = x.new_zeros((), dtype=torch.float32)
         if self.streams:
             x = x.unsqueeze(-2).expand(-1, -1, self.streams, -1).contiguous()
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.context_kv(ctx, packed.ctx_pos)
-            attend = lambda h: layer.attend(h, packed.block_pos, k_ctx, v_ctx, packed.key_index)  # noqa: E731
+            attend = lambda h: layer.attend(h, block_pos, k_ctx, v_ctx, packed.key_index)  # noqa: E731
             if self.streams:
                 x, _ = self.hyper[2 * i](x, attend)
                 x, layer_aux = self.hyper[2 * i + 1](x, layer.feed_forward)
@@ -88,7 +97,7 @@ class BlockDrafter(nn.Module):
                 out, layer_aux = layer.feed_forward(x)
                 x = x + out
             aux = aux + layer_aux
-        return self.norm(self.hyper_head(x) if self.streams else x), aux
+        return self.norm(self.hyper_head(x) if self.streams else x)[:, extra:], aux
 
     def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput:
         """Training: the sequential and confidence heads are teacher-forced with the ground-truth previous tokens."""
