@@ -46,8 +46,10 @@ VARIANTS = {
     "dflash-paper-masks-only": ["drafter.type=dflash", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0",
                                 "drafter.sample_from_anchor=false"],
     "dspark-markov-masks-only": ["drafter.sample_from_anchor=false", "drafter.sliding_window=null"],
+    "mtp": ["drafter.type=mtp", "drafter.num_layers=1", "drafter.block_size=1", "drafter.head=none", "drafter.confidence=false",
+            "loss.alpha_conf=0", "drafter.sliding_window=null", "target.capture_layers=[1,3]"],
     "eagle3": ["drafter.type=eagle3", "drafter.num_layers=1", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0",
-               "drafter.sliding_window=null", "drafter.block_size=3"],
+               "drafter.sliding_window=null", "drafter.block_size=3", "drafter.qk_norm=false"],
 }
 
 
@@ -80,6 +82,8 @@ def theirs(folder, target, ids, anchors, monkeypatch):
     cfg_json = json.loads((folder / "config.json").read_text())
     if cfg_json["speculators_model_type"] == "eagle3":
         return theirs_eagle3(sm, folder, target, ids, anchors)
+    if cfg_json["speculators_model_type"] == "mtp":
+        return theirs_mtp(sm, folder, target, ids, anchors)
     cls = {"dspark": sm.DSparkDraftModel, "dflash": sm.DFlashDraftModel}[cfg_json["speculators_model_type"]]
     config = cls.config_class.from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = "eager"  # flex_attention's block mask compiles; eager is the same mask
@@ -153,12 +157,35 @@ def theirs_eagle3(sm, folder, target, ids, anchors):
     return torch.stack([s[0, anchors - 1] for s in steps], dim=1), None, None
 
 
+def theirs_mtp(sm, folder, target, ids, anchors):
+    """speculators' MTP step 0 over the whole sequence: position j reads (h_j, x_{j+1}) and predicts x_{j+2}. h_j is the
+    residual stream after all L target layers before the final norm (id L in the +1 convention: our capture layer
+    L - 1); Hugging Face's hidden_states[L] is taken after the final norm, so it is read from our capture here."""
+    from safetensors.torch import load_file
+
+    config = sm.MTPSpeculatorConfig.from_pretrained(folder)
+    model = sm.MTPDraftModel(config)
+    missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    assert not unexpected and set(missing) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"}, (missing, unexpected)
+    assert model.target_layer_ids == [target.capture_layers[-1] + 1]
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.embedding.weight)
+        model.lm_head.weight.copy_(target.lm_head.weight)
+    model.eval()
+    with torch.no_grad():
+        last = target(ids[None]).captured[:, :, -1]
+        logits, _, _ = model(ids[None], last)
+    return logits[0][0, anchors - 1][:, None], None, None
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_speculators_loads_our_export_and_drafts_the_same(name, tmp_path, monkeypatch):
     recipe, target, drafter, folder = make(name, tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
     if name == "eagle3":
         assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.capture_layers]
+    elif name == "mtp":
+        assert cfg["transformer_layer_config"]["num_hidden_layers"] == target.num_layers == target.capture_layers[-1] + 1
     else:
         assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in target.capture_layers]
         masks_only = not recipe.drafter.sample_from_anchor
@@ -167,7 +194,7 @@ def test_speculators_loads_our_export_and_drafts_the_same(name, tmp_path, monkey
         assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == recipe.drafter.block_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 509, (48,), generator=g)
-    anchors = torch.tensor([1 if name == "eagle3" else 0, 5, 17, 30, 42])
+    anchors = torch.tensor([1 if name in ("eagle3", "mtp") else 0, 5, 17, 30, 42])
     with torch.no_grad():
         logits, bias, conf = ours(recipe, target, drafter, ids, anchors)
         if bias is not None:
@@ -179,6 +206,8 @@ def test_speculators_loads_our_export_and_drafts_the_same(name, tmp_path, monkey
         assert bias.abs().max() > 1e-2 and (bias - t_bias).abs().max() < 1e-5
     if conf is not None:
         assert (conf - t_conf).abs().max() < 1e-5
+    if name == "mtp":  # its one id is implied by the target's depth; nothing to shift in the file
+        return
     # A one-layer shift of the capture ids (the off-by-one seen in the wild) changes the drafts.
     shifted = json.loads((folder / "config.json").read_text())
     key = "eagle_aux_hidden_state_layer_ids" if name == "eagle3" else "aux_hidden_state_layer_ids"
@@ -188,7 +217,7 @@ def test_speculators_loads_our_export_and_drafts_the_same(name, tmp_path, monkey
     assert (logits - s_logits).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["dspark-rnn-nowindow", "eagle3", "dflash-paper-masks-only"])
+@pytest.mark.parametrize("name", ["dspark-rnn-nowindow", "eagle3", "dflash-paper-masks-only", "mtp"])
 def test_export_reads_back_as_the_same_drafter(name, tmp_path):
     recipe, target, drafter, folder = make(name, tmp_path)
     art = artifacts.read_artifact(folder)
@@ -196,6 +225,8 @@ def test_export_reads_back_as_the_same_drafter(name, tmp_path):
     back = artifacts.build(art, target)
     for k, v in drafter.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
+    if name == "mtp":
+        return
     cfg = json.loads((folder / "config.json").read_text())  # an off-by-one on the way back is refused, not loaded
     cfg["eagle_aux_hidden_state_layer_ids" if name == "eagle3" else "aux_hidden_state_layer_ids"] = [i + 2 for i in target.capture_layers]
     (folder / "config.json").write_text(json.dumps(cfg))

@@ -33,6 +33,8 @@ FAMILIES = {
     "dspark-markov-masks-only": ["drafter.sample_from_anchor=false"],
     "eagle3": ["drafter.type=eagle3", "drafter.num_layers=1", *NO_HEADS],
     "mtp": ["drafter.type=mtp", "drafter.num_layers=1", "drafter.block_size=1", "drafter.ffn.type=dense", *NO_HEADS],
+    "mtp-qknorm": ["drafter.type=mtp", "drafter.num_layers=1", "drafter.block_size=1", "drafter.ffn.type=dense",
+                   "drafter.qk_norm=true", *NO_HEADS],
 }
 SMALL = ["target.hf_config.vocab_size=64", "target.hf_config.hidden_size=32", "target.hf_config.intermediate_size=32",
          "drafter.num_layers=2", "drafter.head_rank=8", "drafter.sliding_window=12", "drafter.ffn.intermediate_size=32"]

@@ -113,6 +113,8 @@ def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str |
     elif "target" in ours:
         target_cfg, seed = ours["target"], ours.get("target_seed", 0)
         trained = target_cfg.get("capture_layers")
+        if trained is not None and drafter_cfg["type"] == "mtp" and trained[-1] == capture[-1]:
+            capture = list(trained)  # MTP-1 reads only the last; the others were captured but unused
         if trained is not None and list(trained) != capture:
             raise UserError(f"{folder}: layer ids {cfg.get('aux_hidden_state_layer_ids') or cfg.get('eagle_aux_hidden_state_layer_ids')} read as capture layers {capture}, "
                             f"but the drafter was trained on {list(trained)} (ids must be ours + 1)")
@@ -196,7 +198,8 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain") -
         # (random, upcycled), whose binding is our fingerprint in the dstrain section
         verifier = {"name_or_path": artifact.target_cfg.get("path"),
                     "architectures": list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])}
-        config, tensors = formats.to_speculators(drafter, DrafterConfig(**artifact.drafter_cfg), spec, list(target.capture_layers), verifier)
+        config, tensors = formats.to_speculators(drafter, DrafterConfig(**artifact.drafter_cfg), spec, list(target.capture_layers),
+                                                 verifier, target.num_layers)
         config[formats.DSTRAIN_KEY] = {**binding, "drafter": artifact.drafter_cfg}
     staging = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -29,8 +29,8 @@ What must mean in the file exactly what it meant in training (each is tested, te
   verifier's when `draft_vocab_size` = the verifier's vocabulary, which is what we write).
 
 Not expressible in these layers (export refuses, naming the setting): MoE drafter FFNs, mHC, a learned mask
-vector, attention without q/k norms (DFlash/DSpark). Eagle3 exports as speculators' one-Llama-layer Eagle3 (below);
-MTP-1 is not exported to this format yet.
+vector, attention without q/k norms (DFlash/DSpark, MTP-1). Eagle3 exports as speculators' one-Llama-layer Eagle3,
+MTP-1 as its one-Qwen3-layer MTP (below).
 """
 
 from __future__ import annotations
@@ -60,12 +60,20 @@ def capture_from_speculators(aux_ids: list[int]) -> list[int]:
 
 def check_exportable(cfg) -> None:
     """One clear line for each drafter setting the speculators DFlash/DSpark/Eagle3 layers cannot express."""
-    if cfg.type not in ("dspark", "dflash", "eagle3"):
-        raise UserError(f"--format speculators: drafter.type={cfg.type} is not exported to this format yet (dspark, dflash and eagle3 are)")
     problems = []
     if cfg.ffn.type != "dense":
         problems.append("drafter.ffn.type=dense (the speculators layer is a dense SwiGLU)")
+    if cfg.type == "mtp":
+        if not cfg.qk_norm:
+            problems.append("drafter.qk_norm=true (speculators' MTP layer is a Qwen3 layer: q/k normalised per head)")
+        if cfg.sliding_window is not None:
+            problems.append("drafter.sliding_window=null (the MTP layer attends causally over the whole prefix)")
+        if problems:
+            raise UserError("--format speculators: train the MTP-1 drafter with " + ", ".join(problems) + ", or export --format dstrain")
+        return
     if cfg.type == "eagle3":
+        if cfg.qk_norm:
+            problems.append("drafter.qk_norm=false (speculators' Eagle3 layer is a Llama layer, no q/k norms)")
         if cfg.sliding_window is not None:
             problems.append("drafter.sliding_window=null (speculators' Eagle3 window is not the packed window)")
         if problems:
@@ -99,11 +107,13 @@ def _layer_config(cfg, spec, num_layers: int, model_type: str = "qwen3") -> dict
     return layer
 
 
-def to_speculators(drafter, cfg, spec, capture_layers: list[int], verifier: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+def to_speculators(drafter, cfg, spec, capture_layers: list[int], verifier: dict, target_depth: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, safetensors dict) of a BlockDrafter in speculators' DFlash/DSpark layout."""
     check_exportable(cfg)
     if cfg.type == "eagle3":
         return _eagle3_to_speculators(drafter, cfg, spec, capture_layers, verifier)
+    if cfg.type == "mtp":
+        return _mtp_to_speculators(drafter, cfg, spec, capture_layers, verifier, target_depth)
     sd = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()}
     out: dict[str, torch.Tensor] = {"fc.weight": sd.pop("fuse.weight"), "hidden_norm.weight": sd.pop("fuse_norm.weight"),
                                     "norm.weight": sd.pop("norm.weight")}
@@ -199,6 +209,56 @@ def _eagle3_from_speculators(config: dict, tensors: dict[str, torch.Tensor], sou
     return drafter, capture_from_speculators(config["eagle_aux_hidden_state_layer_ids"]), sd
 
 
+# MTP-1: speculators' MTPDraftModel is one Qwen3 layer wrapped as h' = input_proj([token_layernorm(embed(x_{j+1}));
+# hidden_layernorm(h_j)]) -> decoder layer -> final_layernorm -> the verifier's lm_head: ours with q/k norms. Its h_j is
+# "the last hidden layer": target_layer_ids = [transformer_layer_config.num_hidden_layers], the residual stream after
+# all L target layers in the same +1 convention, i.e. our capture layer L - 1 (the drafter must have been trained on it).
+# transformer_layer_config therefore carries the target's depth L while the layer sizes are the drafter's own.
+_MTP_NAMES = {"embed_norm.weight": "mtp_layers.0.token_layernorm.weight", "hidden_norm.weight": "mtp_layers.0.hidden_layernorm.weight",
+              "eh_proj.weight": "mtp_layers.0.input_proj.weight", "norm.weight": "mtp_layers.0.final_layernorm.weight",
+              "layer.attn_norm.weight": "mtp_layers.0.input_layernorm.weight",
+              "layer.ffn_norm.weight": "mtp_layers.0.post_attention_layernorm.weight",
+              "layer.ffn.down.weight": "mtp_layers.0.mlp.down_proj.weight",
+              **{f"layer.{p}.weight": f"mtp_layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}}
+
+
+def _mtp_to_speculators(drafter, cfg, spec, capture_layers, verifier, depth: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    if capture_layers[-1] != depth - 1:
+        raise UserError(f"--format speculators: this MTP-1 drafter reads capture layer {capture_layers[-1]}, but speculators' MTP "
+                        f"reads the target's last layer ({depth - 1}): train it with target.capture_layers ending in {depth - 1}")
+    sd = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()}
+    out = {dst: sd.pop(src) for src, dst in _MTP_NAMES.items()}
+    gate, up = sd.pop("layer.ffn.gate_up.weight").chunk(2, dim=0)
+    out["mtp_layers.0.mlp.gate_proj.weight"], out["mtp_layers.0.mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+    if sd:
+        raise UserError(f"--format speculators: weights with no place in the format: {sorted(sd)[:4]}")
+    layer = _layer_config(cfg, spec, depth)
+    layer.pop("is_causal")
+    config = {"speculators_model_type": "mtp", "speculators_version": SPECULATORS_VERSION, "architectures": ["MTPDraftModel"],
+              "transformer_layer_config": layer, "num_nextn_predict_layers": 1,
+              "speculators_config": {"algorithm": "mtp", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 1}], "verifier": verifier}}
+    return config, out
+
+
+def _mtp_from_speculators(config: dict, tensors: dict[str, torch.Tensor], source: Path) -> tuple[dict, list[int], dict]:
+    layer = config["transformer_layer_config"]
+    if layer.get("model_type", "qwen3") != "qwen3":
+        raise UserError(f"{source}: an MTP layer of type {layer.get('model_type')!r}: dstrain builds the qwen3 one")
+    t = dict(tensors)
+    sd = {src: t.pop(dst) for src, dst in _MTP_NAMES.items()}
+    sd["layer.ffn.gate_up.weight"] = torch.cat([t.pop("mtp_layers.0.mlp.gate_proj.weight"), t.pop("mtp_layers.0.mlp.up_proj.weight")], dim=0)
+    for ignored in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "t2d", "d2t"):
+        t.pop(ignored, None)
+    if t:
+        raise UserError(f"{source}: weights dstrain's mtp drafter has no place for: {sorted(t)[:4]}")
+    drafter = {"type": "mtp", "num_layers": 1, "block_size": 1, "sliding_window": None, "head": "none", "confidence": False,
+               "qk_norm": True, "num_heads": int(layer["num_attention_heads"]),
+               "head_dim": int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
+               "ffn": {"type": "dense", "intermediate_size": int(layer["intermediate_size"])}}
+    return drafter, [int(layer["num_hidden_layers"]) - 1], sd
+
+
 def is_speculators(config: dict) -> bool:
     return "speculators_model_type" in config
 
@@ -208,8 +268,10 @@ def from_speculators(config: dict, tensors: dict[str, torch.Tensor], source: Pat
     kind = config["speculators_model_type"]
     if kind == "eagle3":
         return _eagle3_from_speculators(config, tensors, source)
+    if kind == "mtp":
+        return _mtp_from_speculators(config, tensors, source)
     if kind not in ("dspark", "dflash"):
-        raise UserError(f"{source}: speculators_model_type={kind!r}: dstrain reads dspark, dflash and eagle3 folders")
+        raise UserError(f"{source}: speculators_model_type={kind!r}: dstrain reads dspark, dflash, eagle3 and mtp folders")
     from_anchor = bool(config.get("sample_from_anchor", kind == "dspark"))  # speculators' own per-algorithm default
     if config.get("mask_token_id") is None:
         raise UserError(f"{source}: no mask_token_id in config.json")

@@ -41,7 +41,7 @@ class ChainDrafter(nn.Module):
             self.eh_proj = nn.Linear(2 * d, d, bias=False)
         heads, kv_heads, head_dim = attention_shape(cfg, spec)
         self.layer = BlockLayer(d, heads, kv_heads, head_dim, make_ffn(cfg, spec), spec.rope_theta,
-                                attn_in=2 * d if self.eagle else d)
+                                attn_in=2 * d if self.eagle else d, qk_norm=cfg.qk_norm)
         self.norm = RMSNorm(d)
 
     seq_w2 = None  # no sequential head
