@@ -11,8 +11,10 @@
 # Preemption / time limit: the job is requeueable; 120 s before the limit Slurm sends USR1 and the script
 # requeues itself. A requeued (or preempted) job starts again and the trainer resumes from the last checkpoint
 # of runs/<run.name>/checkpoints — nothing to pass.
+# A rank that dies or gets stuck inside the job: dstrain's watchdog names it, every rank exits, and torchrun restarts
+# the node's workers from the latest good checkpoint, up to DSTRAIN_MAX_RESTARTS times (default 2) before the job fails.
 # Environment: DSTRAIN_NPROC_PER_NODE (default: GPUs on the node, else 1), DSTRAIN_PYTHON (default .venv/bin/python),
-# DSTRAIN_MASTER_PORT (default 29500 + JOBID % 20000).
+# DSTRAIN_MASTER_PORT (default 29500 + JOBID % 20000), DSTRAIN_MAX_RESTARTS (default 2).
 #SBATCH --job-name=dstrain-dspark
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -68,5 +70,6 @@ trap requeue USR1
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$LOG_DIR/node-%n.log" \
   bash -c 'py=$1; shift; exec "$py" -m torch.distributed.run --node-rank "$SLURM_NODEID" "$@"' _ "$PY" \
   --nnodes "$NNODES" --nproc-per-node "$DSTRAIN_NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  --max-restarts "${DSTRAIN_MAX_RESTARTS:-2}" \
   dstrain/main.py "$RECIPE" "$@" &
 wait $!

@@ -90,7 +90,7 @@ def colocated(shards, out, steps, *extra):
                     f"run.output_dir={out}", *extra, check=False, timeout=300)
 
 
-def metrics(run):
+def metrics(run):  # noqa: E302
     return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
@@ -153,3 +153,42 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(shards, tmp_path)
         assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-2"]
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+# ----------------------------------------------------------------------------- automatic restart
+@pytest.mark.distributed
+def test_torchrun_max_restarts_resumes_by_itself_and_equals_an_uninterrupted_run(shards, tmp_path):
+    """SIGKILL a target rank between checkpoints with `torchrun --max-restarts 1`: the watchers name it and exit,
+    torchrun restarts the group, every rank resumes from the latest good checkpoint (step 10) and the job
+    completes; the losses of steps 11-20 equal an uninterrupted run's exactly (fp32, CPU)."""
+    extra = ["train.checkpoint_every=10"]
+    ref = launch(disagg_args(shards, tmp_path / "ref", 20, *extra))
+    _, err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err[-3000:]
+    reference = metrics(tmp_path / "ref" / "tiny-moe-dspark")
+    assert sorted(reference) == list(range(1, 21))
+
+    proc = launch(disagg_args(shards, tmp_path / "faulty", 20, *extra), max_restarts=1)
+    run = tmp_path / "faulty" / "tiny-moe-dspark"
+    try:
+        wait_for_step(proc, run, 12)
+        pid = int((run / "pids" / "rank-3").read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        killed_at = max(metrics(run))
+        deadline = time.time() + 120
+        while time.time() < deadline and int((run / "pids" / "rank-3").read_text()) == pid:  # the restarted rank
+            time.sleep(0.1)
+        restarted = time.time()
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"restart: rank 3 killed at step {killed_at}; restarted ranks up {restarted - killed:.1f} s later, run complete"
+          f" {time.time() - killed:.1f} s after the kill")
+    assert proc.returncode == 0, err[-4000:]
+    assert 12 <= killed_at < 20 and "exitcode: -9" in err  # the launcher saw it die and restarted the group
+    assert int((run / "pids" / "rank-3").read_text()) != pid
+    got = metrics(run)
+    assert sorted(got) == list(range(1, 21))
+    assert all(got[s] == reference[s] for s in range(1, 21)), [(s, got[s], reference[s]) for s in got if got[s] != reference[s]]

@@ -214,7 +214,15 @@ def init_world(recipe) -> World:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=int(os.environ.get("DSTRAIN_COLLECTIVE_TIMEOUT_S", "600")))
-        if "MASTER_ADDR" in os.environ:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if "MASTER_ADDR" in os.environ and restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun --max-restarts with its static rendezvous hands every attempt the same agent store, so gloo
+            # would read the dead attempt's addresses ("connectFullMesh ... Connection refused"): one namespace each
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"dstrain-attempt-{restart}", store), rank=rank,
+                                    world_size=size, timeout=timeout)
+        elif "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
             store = tempfile.NamedTemporaryFile(prefix="dstrain-pg-", delete=False).name
