@@ -70,6 +70,7 @@ def train(recipe) -> int:
 
         raise UserError("target.backend=hf serves one whole replica per target rank (tensor/expert parallel HF targets are"
                         " not built): set world.target.tp/pp/ep=1 and scale with world.target.dp, or use a megatron family")
+    verified = preflight(recipe)
     world = init_world(recipe)
     if world.world_size == 1 and world.device.type == "cpu":
         from dstrain.train.ds_glue import skip_shm_comm_op
@@ -103,13 +104,43 @@ def train(recipe) -> int:
         frozen = from_target(target)  # the target's own embedding and LM head: on world.device with it
         cache = FeatureCache(recipe.train.target_cache_mb * 2**20) if recipe.train.target_cache_mb else None
         source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device)
-    summary = Trainer(recipe, frozen, source, run_dir, world).train()
+    trainer = Trainer(recipe, frozen, source, run_dir, world)
+    if world.is_main:
+        trainer.verified_tag = verified
+    summary = trainer.train()
     mark_done()
     if world.is_main and summary["last"]:
         first, last = summary["first"], summary["last"]
         print(f"trained {summary['steps']} steps: loss {first['loss']:.4f} -> {last['loss']:.4f}, "
               f"tau_hat {first['tau_hat']:.3f} -> {last['tau_hat']:.3f}; run dir {run_dir}")
     return 0
+
+
+def preflight(recipe):
+    """Every cheap check before any process group, weight or DeepSpeed engine: the world size against the recipe,
+    the data shards and their manifest, the target folder, the output folder writable, and (on rank 0, which resumes
+    first) the checkpoint folder, verified against its manifests. Returns the verified checkpoint tag (rank 0)."""
+    from dstrain.data.loader import load_manifest
+    from dstrain.errors import UserError
+    from dstrain.runtime.world import check_world_size, layout_of
+    from dstrain.train import checkpoint
+
+    check_world_size(layout_of(recipe.world))
+    load_manifest(recipe.data.shards, recipe.target.name)
+    if recipe.target.source == "path" and not Path(recipe.target.path).is_dir():
+        raise UserError(f"target.path {recipe.target.path} is not a folder; point it at the target's Hugging Face folder")
+    run_dir = Path(recipe.run.output_dir) / recipe.run.name
+    probe = run_dir / f".writable-{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"run.output_dir {recipe.run.output_dir}: cannot write {run_dir} ({exc.strerror or exc}); "
+                        "set run.output_dir to a writable folder") from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        return checkpoint.latest(run_dir / "checkpoints")
+    return None
 
 
 def make_loader(recipe, rank: int, world: int):

@@ -192,3 +192,32 @@ def test_torchrun_max_restarts_resumes_by_itself_and_equals_an_uninterrupted_run
     got = metrics(run)
     assert sorted(got) == list(range(1, 21))
     assert all(got[s] == reference[s] for s in range(1, 21)), [(s, got[s], reference[s]) for s in got if got[s] != reference[s]]
+
+
+# ----------------------------------------------------------------------------- cheap checks first
+def test_cheap_checks_fail_before_any_weights_load(shards, tmp_path):
+    """The target folder here holds no weights, so any error that names something else was raised before a weight
+    was read: bad shards, a checkpoint folder with nothing good in it, an unwritable output folder, a wrong world."""
+    from conftest import run_tool
+
+    empty = tmp_path / "empty-target"
+    empty.mkdir()
+    base = ["dstrain/main.py", "recipes/tiny_moe.yaml", "target.source=path", f"target.path={empty}", "train.steps=2", "train.warmup_steps=0"]
+
+    def one_line_error(*extra):
+        proc = run_tool(*base, *extra, check=False, timeout=120)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+        return errors[0]
+
+    assert "manifest.json" in one_line_error(f"data.shards={tmp_path / 'nowhere'}", f"run.output_dir={tmp_path}")
+    ckpt = tmp_path / "out" / "tiny-moe-dspark" / "checkpoints" / "step-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text(json.dumps({"files": {"x.pt": {"bytes": 3, "sha256": "0" * 64}}}))
+    (ckpt.parent / "latest").write_text("step-2")
+    assert "no good checkpoint" in one_line_error(f"data.shards={shards}", f"run.output_dir={tmp_path / 'out'}")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert "run.output_dir" in one_line_error(f"data.shards={shards}", f"run.output_dir={blocker}")
+    err = one_line_error(f"data.shards={shards}", f"run.output_dir={tmp_path}", "world.target.dp=2", "world.drafter_ranks=2")
+    assert "torchrun --nproc-per-node 2" in err

@@ -199,13 +199,18 @@ def select_deepspeed_accelerator(device: torch.device) -> None:
         real.set_accelerator(Accelerator())
 
 
-def init_world(recipe) -> World:
-    layout = layout_of(recipe.world)
+def check_world_size(layout: Layout) -> int:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size != layout.world_size:
         hint = ("world.target (tp·pp·dp) + world.drafter_ranks" if layout.disaggregated else "world.target.dp and world.drafter_ranks")
         raise UserError(f"the recipe's world needs {layout.world_size} process(es) but {size} were launched;"
                         f" run torchrun --nproc-per-node {layout.world_size} or set {hint} to match {size}")
+    return size
+
+
+def init_world(recipe) -> World:
+    layout = layout_of(recipe.world)
+    size = check_world_size(layout)
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = run_device(recipe, local)
     select_deepspeed_accelerator(device)

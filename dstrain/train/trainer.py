@@ -25,6 +25,9 @@ from dstrain.train.losses import position_weights
 from dstrain.train.step import DraftStep
 
 
+_UNCHECKED = object()
+
+
 def lr_lambda(train_cfg):
     def f(step: int) -> float:
         if step < train_cfg.warmup_steps:
@@ -91,10 +94,13 @@ class Trainer:
         self.drafter = drafter
         self.ckpt_dir = run_dir / "checkpoints"
         self.step = 0
+        self.verified_tag = _UNCHECKED  # main.preflight sets the checkpoint it verified
 
     # -- state -----------------------------------------------------------------------------------------
     def resume(self) -> None:
-        tag = checkpoint.latest(self.ckpt_dir) if self.is_main else None  # verified once, the choice shared
+        tag = None
+        if self.is_main:  # verified once (main.preflight, before any weights loaded), the choice shared
+            tag = self.verified_tag if self.verified_tag is not _UNCHECKED else checkpoint.latest(self.ckpt_dir)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             box = [tag]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
