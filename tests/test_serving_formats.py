@@ -53,7 +53,7 @@ VARIANTS = {
 }
 
 
-def make(name, tmp_path):
+def make(name, tmp_path, fmt="speculators"):
     recipe = load_recipe(ROOT / "recipes/tiny_moe.yaml", COMPAT + VARIANTS[name])
     target = load_target(recipe.target, seed=0)
     spec = spec_from_config(target.model.config, len(target.capture_layers))
@@ -64,7 +64,7 @@ def make(name, tmp_path):
             p.add_(torch.randn_like(p) * 0.2)
     art = artifacts.DrafterArtifact(name, tmp_path / "run", recipe.drafter.model_dump(mode="json"),
                                     recipe.target.model_dump(mode="json"), drafter.state_dict())
-    out = artifacts.export(art, target, tmp_path / "spec", "speculators")
+    out = artifacts.export(art, target, tmp_path / fmt, fmt)
     return recipe, target, drafter, out
 
 
@@ -270,3 +270,40 @@ def test_cli_export_and_evaluate_a_speculators_folder(tmp_path):
     assert a["tau"] == b["tau"] and a["conditional_acceptance"] == b["conditional_acceptance"] and a["tau"] > 1
     bad = run_tool("tools/export.py", ours_dir, tmp_path / "x", "--format", "sglang", check=False)
     assert bad.returncode == 2
+
+
+@pytest.mark.parametrize("name", ["dspark-rnn-nowindow", "dspark-markov-window", "dflash"])
+def test_deepspec_layout_means_what_training_meant(name, tmp_path):
+    """The DeepSpec / SGLang-native layout: target_layer_ids are ours unshifted (SGLang derives them from speculators ids
+    as id - 1), block_size = γ anchor-predicting slots, the same tensors under the same names as the speculators
+    export (cross-checked above against speculators' classes), and it reads back as the same drafter."""
+    from safetensors.torch import load_file
+
+    recipe, target, drafter, folder = make(name, tmp_path, "deepspec")
+    spec_folder = artifacts.export(artifacts.read_artifact(folder), target, tmp_path / "as-speculators", "speculators")
+    cfg, spec_cfg = (json.loads((f / "config.json").read_text()) for f in (folder, spec_folder))
+    d = recipe.drafter
+    assert cfg["dflash_config"]["target_layer_ids"] == list(target.capture_layers)
+    assert [i - 1 for i in spec_cfg["aux_hidden_state_layer_ids"]] == cfg["dflash_config"]["target_layer_ids"]  # SGLang's mapping
+    assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == d.block_size and cfg["sample_from_anchor"] is True
+    assert cfg["dflash_config"]["mask_token_id"] == d.mask_token_id and cfg["dflash_config"]["num_target_layers"] == target.num_layers
+    assert cfg["architectures"] == (["Qwen3DSparkModel"] if d.type == "dspark" else ["DFlashDraftModel"])
+    assert cfg["num_hidden_layers"] == d.num_layers and cfg["hidden_size"] == target.hidden_size and cfg["is_causal"] is False
+    if d.type == "dspark":
+        assert cfg["markov_rank"] == d.head_rank and cfg["markov_head_type"] == {"markov": "vanilla", "rnn": "rnn"}[d.head]
+        assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
+    ours, theirs = load_file(str(folder / "model.safetensors")), load_file(str(spec_folder / "model.safetensors"))
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    back = artifacts.build(artifacts.read_artifact(folder), target)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in drafter.state_dict().items())
+    cfg["dflash_config"]["target_layer_ids"] = [i + 1 for i in target.capture_layers]  # the off-by-one, on the way back
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="DeepSpec target_layer_ids ours"):
+        artifacts.read_artifact(folder)
+
+
+def test_deepspec_refuses_what_it_cannot_mean(tmp_path):
+    with pytest.raises(UserError, match="sample_from_anchor=false exports with --format speculators"):
+        make("dflash-paper-masks-only", tmp_path, "deepspec")
+    with pytest.raises(UserError, match="export Eagle3 / MTP-1 with --format speculators"):
+        make("eagle3", tmp_path, "deepspec")

@@ -259,6 +259,53 @@ def _mtp_from_speculators(config: dict, tensors: dict[str, torch.Tensor], source
     return drafter, [int(layer["num_hidden_layers"]) - 1], sd
 
 
+# DeepSpec / SGLang native DSpark layout (what SGLang's DSparkDraftModel reads: sgl-project/sglang
+# python/sglang/srt/models/dspark.py, speculative/dflash_utils.py parse_dflash_draft_config): the draft's own
+# Qwen3 config at the top level with the drafter fields; dflash_config.target_layer_ids are 0-based decoder
+# outputs (= ours, no shift; SGLang's normaliser derives them from speculators ids as id - 1); block_size = γ
+# proposed tokens with slot k predicting x_{a+k+1} (DeepSpec trains every slot; SGLang refuses speculators-
+# convention DSpark checkpoints for exactly this slot shift, sglang#30261). Same weight names as speculators'.
+LAYER_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "attention_bias", "mlp_bias", "rope_parameters",
+              "max_position_embeddings", "tie_word_embeddings", "sliding_window", "layer_types", "use_sliding_window", "is_causal")
+
+
+def to_deepspec(drafter, cfg, spec, capture_layers: list[int], target_depth: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    if cfg.type not in ("dspark", "dflash"):
+        raise UserError(f"--format deepspec: drafter.type={cfg.type} is a block-drafter layout (dspark, dflash); "
+                        "export Eagle3 / MTP-1 with --format speculators")
+    if not cfg.sample_from_anchor:
+        raise UserError("--format deepspec: DeepSpec blocks predict from the anchor; a drafter trained with "
+                        "drafter.sample_from_anchor=false exports with --format speculators")
+    spec_cfg, tensors = to_speculators(drafter, cfg, spec, capture_layers, {"name_or_path": None, "architectures": []}, target_depth)
+    config = {**spec_cfg["transformer_layer_config"],
+              "architectures": ["Qwen3DSparkModel" if cfg.type == "dspark" else "DFlashDraftModel"],
+              "block_size": cfg.block_size, "target_hidden_size": spec.hidden_size, "sample_from_anchor": True,
+              "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(capture_layers),
+                                "num_target_layers": target_depth, "block_size": cfg.block_size}}
+    if cfg.type == "dspark":
+        config.update({k: spec_cfg[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")})
+    return config, tensors
+
+
+def is_deepspec(config: dict) -> bool:
+    return "dflash_config" in config and "speculators_model_type" not in config
+
+
+def from_deepspec(config: dict, tensors: dict[str, torch.Tensor], source: Path) -> tuple[dict, list[int], dict]:
+    sub = config["dflash_config"]
+    if not config.get("sample_from_anchor", True):
+        raise UserError(f"{source}: sample_from_anchor=false in a DeepSpec-layout folder: not a layout dstrain reads")
+    kind = "dspark" if int(config.get("markov_rank", 0) or 0) > 0 else "dflash"
+    as_speculators = {"speculators_model_type": kind, "transformer_layer_config": {k: config[k] for k in LAYER_KEYS if k in config},
+                      "block_size": int(sub.get("block_size", config.get("block_size"))), "sample_from_anchor": True,
+                      "mask_token_id": sub.get("mask_token_id", config.get("mask_token_id")),
+                      "aux_hidden_state_layer_ids": capture_to_speculators(sub["target_layer_ids"]),
+                      **{k: config[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                                                 "confidence_head_with_markov") if k in config}}
+    return from_speculators(as_speculators, tensors, source)
+
+
 def is_speculators(config: dict) -> bool:
     return "speculators_model_type" in config
 
