@@ -221,3 +221,37 @@ def test_cheap_checks_fail_before_any_weights_load(shards, tmp_path):
     assert "run.output_dir" in one_line_error(f"data.shards={shards}", f"run.output_dir={blocker}")
     err = one_line_error(f"data.shards={shards}", f"run.output_dir={tmp_path}", "world.target.dp=2", "world.drafter_ranks=2")
     assert "torchrun --nproc-per-node 2" in err
+
+
+# ----------------------------------------------------------------------------- resume on a different world
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (2, 4)])
+def test_loader_state_moves_to_another_world_without_losing_or_repeating_samples(shards, old, new):
+    """Lock-step ranks of a world of `old` took the first old·c positions of the epoch's global sequence; loaders of a
+    world of `new` resumed from any old rank's state take exactly the positions after that — across the epoch end."""
+    from itertools import islice
+
+    from dstrain.data.loader import ShardLoader
+
+    def ids(loader, n):
+        return [s.meta["id"] for s in islice(iter(loader), n)]
+
+    glob = ShardLoader(shards, 0, 1, seed=3, shuffle=True)
+    total = glob.total
+    sequence = ids(glob, 2 * total)  # two epochs, the world-independent order
+    for c in (7, total // old - 1):  # mid-epoch, and one round before the old world's epoch end
+        before = [ShardLoader(shards, r, old, seed=3, shuffle=True) for r in range(old)]
+        took = [ids(x, c) for x in before]
+        assert sorted(sum(took, [])) == sorted(sequence[: old * c])
+        after = [ShardLoader(shards, r, new, seed=3, shuffle=True) for r in range(new)]
+        for x in after:
+            x.load_state_dict({**before[0].state_dict(), "rank": x.rank})
+        k = 5
+        then = [ids(x, k) for x in after]
+        # the new world continues at global position old*c; at the epoch's end only the < new samples that no rank of
+        # the new world can take are left out (as any world drops its tail), then the next epoch starts from 0
+        rest = sequence[old * c : total]
+        usable = len(rest) // new * new
+        expect = (rest[:usable] + sequence[total:])[: new * k]
+        got = [i for step in zip(*then) for i in step]
+        assert got == expect, (c, got[:6], expect[:6])
+        assert not set(sum(took, [])) & set(got[:usable])  # nothing of this epoch taken twice

@@ -7,6 +7,12 @@ last `total mod world` positions are dropped so every rank takes the same number
 count is reported, never silent). The position of a rank is (epoch, consumed): resuming skips
 exactly `consumed` samples — shards wholly before that point are not even opened. Memory holds one
 shard's share for this rank at a time.
+
+Resuming on a different data-parallel world: the ranks move in lock-step, so together they have taken
+exactly the first `start + world·consumed` positions of the epoch's global sequence (which does not
+depend on the world). A state saved at another world size restarts the dealing there (`start`), round-
+robin over the new world, so no sample of the epoch is lost or repeated; only the tail dropped at the
+epoch's end (fewer than `world` samples) differs from an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ class ShardLoader:
         self.rank, self.world, self.seed, self.shuffle, self.max_length = rank, world, seed, shuffle, max_length
         self.per_rank = self.total // world
         self.dropped_per_epoch = self.total - self.per_rank * world
-        self.epoch, self.consumed = 0, 0
+        self.epoch, self.consumed, self.start = 0, 0, 0
 
     # -- order -------------------------------------------------------------------------------------
     def _epoch_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
@@ -83,12 +89,13 @@ class ShardLoader:
         n = len(self.shards)
         order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
         plan, pos = [], 0
-        limit = self.per_rank * self.world
+        start = self.start if epoch == self.epoch else 0
+        limit = start + (self.total - start) // self.world * self.world
         for s in order:
             count = self.shards[s]["samples"]
             inner = np.random.default_rng([self.seed, epoch, int(s)]).permutation(count) if self.shuffle else np.arange(count)
             global_pos = pos + np.arange(count)
-            keep = (global_pos % self.world == self.rank) & (global_pos < limit)
+            keep = ((global_pos - start) % self.world == self.rank) & (global_pos >= start) & (global_pos < limit)
             if keep.any():
                 plan.append((int(s), inner[keep]))
             pos += count
@@ -97,14 +104,21 @@ class ShardLoader:
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "world": self.world, "rank": self.rank,
-                "total": self.total}
+                "total": self.total, "start": self.start}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "world", "total"):
+        """A state saved by any rank of a world of another size continues the same global sequence (see top)."""
+        for key in ("seed", "total"):
             if state.get(key) != getattr(self, key):
                 raise UserError(f"data loader state: {key} was {state.get(key)} when saved, now {getattr(self, key)};"
-                                " resume with the same seed, data-parallel size and shards")
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+                                " resume with the same seed and shards")
+        epoch, consumed, start = int(state["epoch"]), int(state["consumed"]), int(state.get("start", 0))
+        saved_world = int(state.get("world", self.world))
+        if saved_world != self.world:
+            start, consumed = start + saved_world * consumed, 0
+            if start >= self.total - self.world + 1:  # not one full round left for the new world: next epoch
+                epoch, start = epoch + 1, 0
+        self.epoch, self.consumed, self.start = epoch, consumed, start
 
     # -- reading -------------------------------------------------------------------------------------
     def _read_shard(self, index: int, wanted: np.ndarray) -> dict[int, Sample]:
@@ -147,4 +161,4 @@ class ShardLoader:
                 self.consumed += 1
                 yield samples[int(i)]
         self.epoch += 1
-        self.consumed = 0
+        self.consumed = self.start = 0
