@@ -230,7 +230,7 @@ def test_export_reads_back_as_the_same_drafter(name, tmp_path):
     cfg = json.loads((folder / "config.json").read_text())  # an off-by-one on the way back is refused, not loaded
     cfg["eagle_aux_hidden_state_layer_ids" if name == "eagle3" else "aux_hidden_state_layer_ids"] = [i + 2 for i in target.capture_layers]
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match="ids must be ours"):
+    with pytest.raises(UserError, match="speculators ids must be ours"):
         artifacts.read_artifact(folder)
 
 
@@ -298,7 +298,7 @@ def test_deepspec_layout_means_what_training_meant(name, tmp_path):
     assert all(torch.equal(back.state_dict()[k], v) for k, v in drafter.state_dict().items())
     cfg["dflash_config"]["target_layer_ids"] = [i + 1 for i in target.capture_layers]  # the off-by-one, on the way back
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match="DeepSpec target_layer_ids ours"):
+    with pytest.raises(UserError, match="DeepSpec target_layer_ids and SGLang Eagle3 ids ours"):
         artifacts.read_artifact(folder)
 
 
@@ -307,3 +307,29 @@ def test_deepspec_refuses_what_it_cannot_mean(tmp_path):
         make("dflash-paper-masks-only", tmp_path, "deepspec")
     with pytest.raises(UserError, match="export Eagle3 / MTP-1 with --format speculators"):
         make("eagle3", tmp_path, "deepspec")
+
+
+def test_sglang_eagle3_layout_ids_are_unshifted_and_weights_are_the_speculators_ones(tmp_path):
+    """SGLang's own Eagle3 layout stores eagle_aux_hidden_state_layer_ids as 0-based decoder outputs (it adds 1 itself);
+    vLLM's speculators Eagle3 stores the same key as ours + 1. Same tensors as the cross-checked speculators export."""
+    from safetensors.torch import load_file
+
+    recipe, target, drafter, folder = make("eagle3", tmp_path, "sglang-eagle3")
+    spec_folder = artifacts.export(artifacts.read_artifact(folder), target, tmp_path / "as-speculators", "speculators")
+    cfg, spec_cfg = (json.loads((f / "config.json").read_text()) for f in (folder, spec_folder))
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(target.capture_layers)
+    assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.capture_layers]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] is None and cfg["num_hidden_layers"] == 1
+    ours, theirs = load_file(str(folder / "model.safetensors")), load_file(str(spec_folder / "model.safetensors"))
+    renamed = {k.replace("layers.0.", "midlayer."): v for k, v in theirs.items()}
+    assert set(ours) == set(renamed) and all(torch.equal(ours[k], renamed[k]) for k in ours)
+    assert ours["fc.weight"].shape == (target.hidden_size, 3 * target.hidden_size)  # SGLang's fc is 3 x target_hidden_size
+    assert {k.split(".")[0] for k in ours} == {"fc", "midlayer", "norm"}
+    back = artifacts.build(artifacts.read_artifact(folder), target)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in drafter.state_dict().items())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in target.capture_layers]  # vLLM's meaning, misread
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="SGLang Eagle3 ids ours"):
+        artifacts.read_artifact(folder)
+    with pytest.raises(UserError, match="--format deepspec"):
+        make("dflash", tmp_path / "x", "sglang-eagle3")

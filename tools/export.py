@@ -26,9 +26,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", help="training run folder (or an export folder, to re-export)")
     ap.add_argument("out", help="folder to write (replaced atomically)")
-    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec"],
+    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3"],
                     help="dstrain: our own folder; speculators: the format vLLM loads (DSpark, DFlash, Eagle3, MTP-1); deepspec: "
-                         "the DSpark layout SGLang's DSparkDraftModel reads (see dstrain/decoding/formats.py)")
+                         "the DSpark layout SGLang's DSparkDraftModel reads; sglang-eagle3: SGLang's own Eagle3 layout "
+                         "(see dstrain/decoding/formats.py)")
     ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
     args = ap.parse_args()
     from dstrain.decoding import artifacts

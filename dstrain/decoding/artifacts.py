@@ -64,7 +64,7 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
         cfg = json.loads(cfg_file.read_text())
         from dstrain.decoding import formats
 
-        if formats.is_speculators(cfg) or formats.is_deepspec(cfg):
+        if formats.is_speculators(cfg) or formats.is_deepspec(cfg) or formats.is_sglang_eagle3(cfg):
             return _speculators_artifact(folder, cfg, name, recipe_path)
         if cfg.get("format") != EXPORT_FORMAT:
             raise UserError(f"{cfg_file}: not a dstrain drafter export (format {cfg.get('format')!r}); export one with tools/export.py")
@@ -103,7 +103,8 @@ def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str |
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise UserError(f"{weights}: missing")
-    read = formats.from_deepspec if formats.is_deepspec(cfg) else formats.from_speculators
+    read = (formats.from_deepspec if formats.is_deepspec(cfg) else
+            formats.from_sglang_eagle3 if formats.is_sglang_eagle3(cfg) else formats.from_speculators)
     drafter_cfg, capture, state = read(cfg, load_file(str(weights)), folder)
     ours = cfg.get(formats.DSTRAIN_KEY) or {}
     if recipe_path is not None:
@@ -118,7 +119,7 @@ def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str |
             capture = list(trained)  # MTP-1 reads only the last; the others were captured but unused
         if trained is not None and list(trained) != capture:
             raise UserError(f"{folder}: the file's layer ids read as capture layers {capture}, but the drafter was trained on "
-                            f"{list(trained)} (speculators ids must be ours + 1, DeepSpec target_layer_ids ours)")
+                            f"{list(trained)} (speculators ids must be ours + 1, DeepSpec target_layer_ids and SGLang Eagle3 ids ours)")
     else:
         raise UserError(f"{folder}: a speculators drafter not exported by dstrain: pass --recipe RECIPE naming its target")
     target_cfg = {**target_cfg, "capture_layers": capture}
@@ -173,7 +174,7 @@ def build(artifact: DrafterArtifact, target):
     return drafter.eval()
 
 
-FORMATS = ("dstrain", "speculators", "deepspec")
+FORMATS = ("dstrain", "speculators", "deepspec", "sglang-eagle3")
 
 
 def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain") -> Path:
@@ -191,7 +192,7 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain") -
     spec = spec_from_config(target.model.config, len(target.capture_layers))
     binding = {"target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)}, "target_name": target.name,
                "target_fingerprint": fingerprint(target), "target_seed": artifact.target_seed, "trained_steps": artifact.steps}
-    if fmt in ("speculators", "deepspec"):
+    if fmt != "dstrain":
         from dstrain.decoding import formats
         from dstrain.recipe import DrafterConfig
 
@@ -202,13 +203,15 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain") -
         dcfg = DrafterConfig(**artifact.drafter_cfg)
         if fmt == "speculators":
             config, tensors = formats.to_speculators(drafter, dcfg, spec, list(target.capture_layers), verifier, target.num_layers)
-        else:
+        elif fmt == "deepspec":
             config, tensors = formats.to_deepspec(drafter, dcfg, spec, list(target.capture_layers), target.num_layers)
+        else:
+            config, tensors = formats.to_sglang_eagle3(drafter, dcfg, spec, list(target.capture_layers), target.num_layers)
         config[formats.DSTRAIN_KEY] = {**binding, "drafter": artifact.drafter_cfg}
     staging = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    if fmt in ("speculators", "deepspec"):
+    if fmt != "dstrain":
         formats.write_speculators(staging, config, tensors)
         if artifact.temperatures:
             (staging / STS_FILE).write_text(json.dumps({"temperatures": artifact.temperatures}))

@@ -306,6 +306,44 @@ def from_deepspec(config: dict, tensors: dict[str, torch.Tensor], source: Path) 
     return from_speculators(as_speculators, tensors, source)
 
 
+# SGLang's own Eagle3 layout (sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, LlamaForCausalLMEagle3):
+# "midlayer.*" for the one layer, fc over exactly 3 captured layers (3 × target_hidden_size), norm; embedding and LM
+# head from the target when draft_vocab_size is null. Its eagle_config.eagle_aux_hidden_state_layer_ids are 0-based
+# decoder outputs (= ours): SGLang adds 1 itself ("for the ith layer, it takes the output of the (i-1)th layer",
+# python/sglang/srt/models/llama.py set_eagle3_layers_to_capture) — the same key vLLM reads as ours + 1.
+def to_sglang_eagle3(drafter, cfg, spec, capture_layers: list[int], target_depth: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    if cfg.type != "eagle3":
+        raise UserError(f"--format sglang-eagle3: drafter.type={cfg.type} is not Eagle3 (DSpark/DFlash: --format deepspec)")
+    if len(capture_layers) != 3:
+        raise UserError(f"--format sglang-eagle3: SGLang's Eagle3 fuses exactly 3 captured layers, this drafter reads "
+                        f"{len(capture_layers)}: train it with target.num_capture=3")
+    spec_cfg, tensors = to_speculators(drafter, cfg, spec, capture_layers, {"name_or_path": None, "architectures": []}, target_depth)
+    out = {("midlayer." + k.removeprefix("layers.0.")) if k.startswith("layers.0.") else k: v for k, v in tensors.items()}
+    layer = {k: v for k, v in spec_cfg["transformer_layer_config"].items()}
+    config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": None,
+              "target_hidden_size": spec.hidden_size, "tie_word_embeddings": False,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(capture_layers), "use_aux_hidden_state": True},
+              "speculative_num_steps": cfg.block_size}
+    return config, out
+
+
+def is_sglang_eagle3(config: dict) -> bool:
+    return "LlamaForCausalLMEagle3" in (config.get("architectures") or []) and "speculators_model_type" not in config
+
+
+def from_sglang_eagle3(config: dict, tensors: dict[str, torch.Tensor], source: Path) -> tuple[dict, list[int], dict]:
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise UserError(f"{source}: no eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's default layers are not ours to guess)")
+    if int(config.get("num_hidden_layers", 1)) != 1:
+        raise UserError(f"{source}: an Eagle3 draft of {config['num_hidden_layers']} layers: dstrain's is one layer")
+    as_speculators = {"speculators_model_type": "eagle3", "transformer_layer_config": {k: config[k] for k in LAYER_KEYS if k in config},
+                      "eagle_aux_hidden_state_layer_ids": capture_to_speculators(ids),
+                      "speculators_config": {"proposal_methods": [{"speculative_tokens": int(config.get("speculative_num_steps", 3))}]}}
+    renamed = {("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v for k, v in tensors.items()}
+    return from_speculators(as_speculators, renamed, source)
+
+
 def is_speculators(config: dict) -> bool:
     return "speculators_model_type" in config
 
