@@ -1,4 +1,5 @@
-"""Serving formats: a trained DSpark / DFlash drafter as the `speculators` folder vLLM loads, and back.
+"""Serving formats: a trained drafter as the `speculators` folder vLLM loads (DSpark, DFlash, Eagle3, MTP-1), the
+DeepSpec layout SGLang's DSpark model reads, SGLang's own Eagle3 layout — and each read back.
 
 What must mean in the file exactly what it meant in training (each is tested, tests/test_serving_formats.py):
 
