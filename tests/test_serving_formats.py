@@ -335,3 +335,25 @@ def test_sglang_eagle3_layout_ids_are_unshifted_and_weights_are_the_speculators_
         artifacts.read_artifact(folder)
     with pytest.raises(UserError, match="--format deepspec"):
         make("dflash", tmp_path / "x", "sglang-eagle3")
+
+
+def test_original_dflash_trains_exports_and_evaluates_through_the_tools(tmp_path):
+    """The paper's original DFlash (anchor + γ masks, only the masks predict) through the same trainer (main.py), export
+    (--format speculators: sample_from_anchor=false, block_size γ+1) and evaluation as every other drafter."""
+    from conftest import run_tool
+    from dstrain.data.shards import synthetic_shards
+
+    synthetic_shards(str(tmp_path / "shards"), "tiny-moe", 256, 64, seed=0)
+    run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={tmp_path / 'shards'}", "train.steps=3", "train.warmup_steps=1",
+             f"run.output_dir={tmp_path / 'runs'}", "run.name=paper-dflash", *COMPAT, *VARIANTS["dflash-paper-masks-only"])
+    run_dir = tmp_path / "runs" / "paper-dflash"
+    run_tool("tools/export.py", run_dir, tmp_path / "spec", "--format", "speculators")
+    cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert cfg["sample_from_anchor"] is False and cfg["block_size"] == 5 and cfg["speculators_model_type"] == "dflash"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "domain": "chat", "input_ids": list(range(3 + i, 20 + 2 * i))}) + "\n" for i in range(3)))
+    run_tool("tools/evaluate.py", "--drafter", f"run={run_dir}", "--drafter", f"spec={tmp_path / 'spec'}", "--prompts", prompts,
+             "--no-baseline", "--max-new-tokens", "10", "--out", tmp_path / "eval")
+    res = json.loads((tmp_path / "eval" / "results.json").read_text())["drafters"]
+    a, b = res["run"]["domains"]["chat"], res["spec"]["domains"]["chat"]
+    assert a["tau"] == b["tau"] and len(a["conditional_acceptance"]) == 4
