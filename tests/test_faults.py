@@ -255,3 +255,42 @@ def test_loader_state_moves_to_another_world_without_losing_or_repeating_samples
         got = [i for step in zip(*then) for i in step]
         assert got == expect, (c, got[:6], expect[:6])
         assert not set(sum(took, [])) & set(got[:usable])  # nothing of this epoch taken twice
+
+
+def consumed_samples(run, upto=None, after=None):
+    """Sample ids the target replicas streamed, per step, from the channel logs (lead ranks)."""
+    out = []
+    for f in sorted((run / "channel").glob("*.jsonl")):
+        for rec in map(json.loads, f.read_text().splitlines()):
+            if "samples" in rec and (upto is None or rec["step"] <= upto) and (after is None or rec["step"] > after):
+                out += rec["samples"]
+    return out
+
+
+@pytest.mark.distributed
+def test_zero2_checkpoint_of_two_drafters_resumes_on_one_continuing_the_data_stream(shards, tmp_path):
+    """4 steps with 2 drafter ranks at ZeRO-2 (checkpoint at step 4), then the same run resumed with 1 drafter rank
+    (DeepSpeed's elastic load re-partitions the optimizer): steps 5-8 train, and the samples of both parts are
+    exactly the first 48 of the data stream, none twice."""
+    from dstrain.data.loader import ShardLoader
+
+    out = tmp_path / "out"
+    common = ["deepspeed.zero_stage=2", "train.checkpoint_every=4"]
+    first = launch(disagg_args(shards, out, 4, *common))
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    run = out / "tiny-moe-dspark"
+    man = json.loads((run / "checkpoints" / "step-4" / "manifest.json").read_text())
+    assert man["world"]["drafter_ranks"] == 2 and man["data"]["consumed"] == 4 * 2 * 2  # steps x accum x micro-batch
+    args = [a for a in disagg_args(shards, out, 8, *common) if a != "world.drafter_ranks=2"] + ["world.drafter_ranks=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    second = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+                             str(free_port()), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert sorted(metrics(run)) == list(range(1, 9))
+    before, after = consumed_samples(run, upto=4), consumed_samples(run, after=4)
+    assert len(before) == 32 and len(after) == 16
+    loader = ShardLoader(shards, 0, 1, seed=0, shuffle=False)
+    stream = [s.meta["id"] for s, _ in zip(iter(loader), range(48))]
+    assert sorted(before + after) == sorted(stream) and len(set(before + after)) == 48
+    assert after == stream[32:]  # one drafter now takes the stream in order from where the two left it

@@ -30,7 +30,7 @@ HEADER_WORDS = 16
 VERSION = 1
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
-RESUME_WORDS = 4  # [start step, has loader state, epoch, consumed]
+RESUME_WORDS = 6  # [start step, has loader state, epoch, consumed, dealing start, data-parallel world it was saved at]
 
 
 def needed_rows(packed: PackedBlocks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +84,9 @@ class Sender:
         ids = "\n".join(s.meta["id"] for s in samples).encode()
         lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
         header = torch.zeros(HEADER_WORDS, dtype=torch.long)
-        header[:13] = torch.tensor([VERSION, step, mb, len(samples), int(lengths.sum()), n_ctx, finals.shape[0], m_total,
+        header[:15] = torch.tensor([VERSION, step, mb, len(samples), int(lengths.sum()), n_ctx, finals.shape[0], m_total,
                                     finals.shape[1], DTYPE_CODES[finals.dtype], len(ids), loader_state["epoch"],
-                                    loader_state["consumed"]])
+                                    loader_state["consumed"], loader_state.get("start", 0), loader_state["world"]])
         self._post(dst, [header, lengths, torch.cat([s.input_ids for s in samples]).long(),
                          torch.cat([s.loss_mask for s in samples]).long(), torch.frombuffer(bytearray(ids), dtype=torch.uint8),
                          finals])
@@ -144,7 +144,7 @@ class Receiver:
         """One micro-batch; `more`: another follows (post its header's receive now)."""
         h = self._header().tolist()
         self.traffic.received += HEADER_WORDS * 8
-        _, step, _, n, total, n_ctx, n_final, m_total, d, code, id_bytes, epoch, consumed = h[:13]
+        _, step, _, n, total, n_ctx, n_final, m_total, d, code, id_bytes, epoch, consumed, dealt_from, world = h[:15]
         dtype = CODE_DTYPES[code]
         lengths = self._recv(self.lead, (n,), torch.long)
         ids = self._recv(self.lead, (total,), torch.long)
@@ -160,12 +160,13 @@ class Receiver:
             samples.append(Sample(input_ids=ids[start : start + length], loss_mask=masks[start : start + length].bool(),
                                   meta={"id": names[i]}))
             start += length
-        return Received(samples, captured, finals, {"epoch": epoch, "consumed": consumed}, step)
+        return Received(samples, captured, finals, {"epoch": epoch, "consumed": consumed, "start": dealt_from, "world": world}, step)
 
 
 def send_resume(dsts: list[int], step: int, loader_state: dict | None) -> None:
-    msg = torch.tensor([step, int(loader_state is not None), (loader_state or {}).get("epoch", 0),
-                        (loader_state or {}).get("consumed", 0)], dtype=torch.long)
+    state = loader_state or {}
+    msg = torch.tensor([step, int(loader_state is not None), state.get("epoch", 0), state.get("consumed", 0),
+                        state.get("start", 0), state.get("world", 0)], dtype=torch.long)
     for dst in dsts:
         dist.send(msg, dst)
 
@@ -173,5 +174,8 @@ def send_resume(dsts: list[int], step: int, loader_state: dict | None) -> None:
 def recv_resume(src: int) -> tuple[int, dict | None]:
     msg = torch.empty(RESUME_WORDS, dtype=torch.long)
     dist.recv(msg, src)
-    step, has, epoch, consumed = msg.tolist()
-    return step, ({"epoch": epoch, "consumed": consumed} if has else None)
+    step, has, epoch, consumed, start, world = msg.tolist()
+    state = {"epoch": epoch, "consumed": consumed, "start": start}
+    if world:  # 0: a checkpoint from before the world was recorded, taken to be this world's
+        state["world"] = world
+    return step, (state if has else None)

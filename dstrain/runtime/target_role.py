@@ -57,7 +57,7 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a") as log:
         for step in range(start, r.train.steps):
-            t0, sent0 = time.perf_counter(), sender.traffic.sent
+            t0, sent0, sent_ids = time.perf_counter(), sender.traffic.sent, []
             for mb in range(r.train.grad_accum):
                 for j in served:
                     samples = [next(streams[j]) for _ in range(r.train.micro_batch_size)]
@@ -71,12 +71,13 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
                     dst = lay.drafter_rank(j)
                     progress(step, "send")  # back-pressure: waits while the drafter has not taken the oldest
                     if is_lead:
+                        sent_ids += [s.meta["id"] for s in samples]
                         sender.send_lead(dst, step, mb, samples, _flat(final, lengths)[finals], len(ctx),
                                          len(target.capture_layers), loaders[j].state_dict())
                     if sends_rows:
                         sender.send_rows(dst, _flat(captured, lengths)[ctx])
             log.write(json.dumps({"step": step + 1, "bytes_sent": sender.traffic.sent - sent0,
-                                  "seconds": round(time.perf_counter() - t0, 4)}) + "\n")
+                                  "seconds": round(time.perf_counter() - t0, 4), **({"samples": sent_ids} if is_lead else {})}) + "\n")
             log.flush()
     sender.flush()
     return 0

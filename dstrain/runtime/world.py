@@ -123,6 +123,8 @@ class DrafterMPU:
     def get_model_parallel_world_size(self) -> int:
         return 1
 
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size  # asked by DeepSpeed's universal checkpoint load
+
     def get_tensor_model_parallel_src_rank(self) -> int:
         return dist.get_rank()
 

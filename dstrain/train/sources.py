@@ -93,7 +93,8 @@ class ChannelSource:
         return dict(self.loader_state or {})
 
     def load_state_dict(self, state: dict) -> None:
-        self.loader_state = {"epoch": int(state["epoch"]), "consumed": int(state["consumed"])} if state else None
+        keys = ("epoch", "consumed", "start", "world")
+        self.loader_state = {k: int(state[k]) for k in keys if k in state} if state else None
 
     def traffic(self) -> dict:
         return self.receiver.traffic.take()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -38,14 +39,15 @@ def lr_lambda(train_cfg):
     return f
 
 
-def deepspeed_config(recipe) -> dict:
+def deepspeed_config(recipe, universal: bool = False) -> dict:
+    """`universal`: resume from a universal checkpoint (saved by another drafter world, re-partitioned on load)."""
     t, ds = recipe.train, recipe.deepspeed
     return {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
             "gradient_clipping": t.clip_grad, "zero_optimization": {"stage": ds.zero_stage},
             "bf16": {"enabled": ds.precision == "bf16"}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
             # tags are ours and identical on every drafter; DeepSpeed's check is a world-wide all-reduce that
             # target ranks (which hold no drafter state) would never join
-            "checkpoint": {"tag_validation": "Ignore"}}
+            "checkpoint": {"tag_validation": "Ignore", **({"load_universal": True} if universal else {})}}
 
 
 def _all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -70,7 +72,8 @@ def calibration_error(conf: torch.Tensor, label: torch.Tensor, bins: int = 10) -
 class Trainer:
     """`frozen` gives the target's config, embedding and LM head; `source` the micro-batches (sources.py)."""
 
-    def __init__(self, recipe, frozen, source, run_dir: Path, world):
+    def __init__(self, recipe, frozen, source, run_dir: Path, world, verified_tag=_UNCHECKED):
+        """`verified_tag`: on the main rank, the checkpoint main.preflight verified (else it is chosen here)."""
         import deepspeed
 
         from dstrain.train.ds_glue import scope_deepspeed_to
@@ -89,25 +92,69 @@ class Trainer:
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.train.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=recipe.train.lr, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.train))
+        self.ckpt_dir = self.load_dir = run_dir / "checkpoints"
+        self.resume_tag = self._shared_resume_tag(verified_tag)
+        universal = self._saved_world_differs()
+        if universal:
+            self.load_dir = self._universal_copy()
         self.engine, _, _, self.scheduler = deepspeed.initialize(model=DraftStep(drafter, recipe.deepspeed.zero_stage == 3), optimizer=opt, lr_scheduler=sched, mpu=world.mpu,
-                                                                 config=deepspeed_config(recipe), dist_init_required=False)
+                                                                 config=deepspeed_config(recipe, universal), dist_init_required=False)
         self.drafter = drafter
-        self.ckpt_dir = run_dir / "checkpoints"
         self.step = 0
-        self.verified_tag = _UNCHECKED  # main.preflight sets the checkpoint it verified
 
     # -- state -----------------------------------------------------------------------------------------
-    def resume(self) -> None:
+    def _shared_resume_tag(self, verified_tag):
         tag = None
         if self.is_main:  # verified once (main.preflight, before any weights loaded), the choice shared
-            tag = self.verified_tag if self.verified_tag is not _UNCHECKED else checkpoint.latest(self.ckpt_dir)
+            tag = verified_tag if verified_tag is not _UNCHECKED else checkpoint.latest(self.ckpt_dir)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             box = [tag]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
             tag = box[0]
+        return tag
+
+    def _saved_world_differs(self) -> bool:
+        """Resuming a ZeRO-1/2/3 checkpoint with another number of drafter ranks (or another ZeRO stage): its optimizer
+        partitions must be re-cut, which DeepSpeed does only from a *universal* checkpoint (_universal_copy).
+        ZeRO-0 checkpoints hold whole states: any world loads them as they are."""
+        if self.resume_tag is None or not (self.ckpt_dir / self.resume_tag / checkpoint.MANIFEST).is_file():
+            return False
+        saved = checkpoint.read_manifest(self.ckpt_dir / self.resume_tag).get("world", {})
+        before, zero = saved.get("drafter_ranks", self.dp_world), saved.get("zero_stage", self.recipe.deepspeed.zero_stage)
+        return zero != 0 and (before != self.dp_world or zero != self.recipe.deepspeed.zero_stage)
+
+    def _universal_copy(self) -> Path:
+        """DeepSpeed's ds_to_universal over the verified checkpoint, once, by the main rank, into
+        checkpoints/.universal/<tag> (the checkpoint itself is left as it is)."""
+        import subprocess
+        import sys
+
+        out = self.ckpt_dir / ".universal"
+        if self.is_main and not (out / self.resume_tag / "zero").is_dir():
+            tmp = out / f".tmp-{self.resume_tag}"
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                   str(self.ckpt_dir / self.resume_tag), "--output_folder", str(tmp),
+                                   "--num_extract_workers", "1", "--num_merge_workers", "1"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                from dstrain.errors import UserError
+
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise UserError(f"checkpoint {self.ckpt_dir / self.resume_tag} was written by another drafter world and"
+                                f" could not be converted for this one ({last[:200]}); resume with the world it was saved at")
+            shutil.rmtree(out / self.resume_tag, ignore_errors=True)
+            os.replace(tmp, out / self.resume_tag)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.barrier(group=self.group)
+        return out
+
+    def resume(self) -> None:
+        tag = self.resume_tag
         if tag is None:
             return
-        client = checkpoint.load(self.engine, self.ckpt_dir, tag)
+        client = checkpoint.load(self.engine, self.load_dir, tag)
         self.source.load_state_dict(client["loader"])
         self.step = client["step"]
 
@@ -115,7 +162,10 @@ class Trainer:
         w = self.recipe.world
         layout = {"mode": w.mode, "drafter_ranks": self.dp_world, "target": w.target.model_dump(),
                   "zero_stage": self.recipe.deepspeed.zero_stage, "precision": self.recipe.deepspeed.precision}
-        checkpoint.save(self.engine, self.ckpt_dir, self.step, {"step": self.step, "loader": self.source.state_dict()},
+        # universal_checkpoint_info: what DeepSpeed's ds_to_universal asks of a client (a drafter has no tensor parallelism)
+        client = {"step": self.step, "loader": self.source.state_dict(),
+                  "universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
+        checkpoint.save(self.engine, self.ckpt_dir, self.step, client,
                         self.recipe.train.keep_checkpoints, self.is_main, self.group, world=layout)
 
     # -- one step ----------------------------------------------------------------------------------------
