@@ -159,6 +159,9 @@ class DrafterConfig(Section):
     sample_from_anchor: bool = Field(True, description="True: the anchor slot predicts (block_size slots, block_size "
                                                        "predictions; paper §3.1). False: the paper's original DFlash — the "
                                                        "anchor plus block_size mask slots, only the masks predict")
+    init_from: str | None = Field(None, description="a drafter folder whose weights start training: a run, a dstrain export, "
+                                                   "or a speculators / deepspec / sglang-eagle3 folder (this run's own "
+                                                   "checkpoints, when it has some, take precedence on resume)")
     mask_token_id: int | None = Field(None, ge=0, description="block slots after the anchor: None = a learned mask embedding; "
                                                              "a token id = the target's frozen embedding of that token (the "
                                                              "speculators/vLLM/SGLang convention; needed to export to them)")

@@ -357,3 +357,20 @@ def test_original_dflash_trains_exports_and_evaluates_through_the_tools(tmp_path
     res = json.loads((tmp_path / "eval" / "results.json").read_text())["drafters"]
     a, b = res["run"]["domains"]["chat"], res["spec"]["domains"]["chat"]
     assert a["tau"] == b["tau"] and len(a["conditional_acceptance"]) == 4
+
+
+def test_init_from_a_speculators_folder_continues_training_from_its_weights(tmp_path):
+    """drafter.init_from: main.py starts from a speculators folder's weights (one step at lr 1e-12 leaves them as they
+    were); a folder trained on other capture layers is a one-line error before any training."""
+    from conftest import run_tool
+    from dstrain.data.shards import synthetic_shards
+
+    recipe, target, drafter, folder = make("dspark-markov-window", tmp_path)
+    synthetic_shards(str(tmp_path / "shards"), "tiny-moe", 128, 64, seed=0)
+    common = ["recipes/tiny_moe.yaml", f"data.shards={tmp_path / 'shards'}", "train.steps=1", "train.warmup_steps=0",
+              "train.lr=1e-12", "train.min_lr=0", f"run.output_dir={tmp_path / 'runs'}", *COMPAT, f"drafter.init_from={folder}"]
+    run_tool("dstrain/main.py", *common, "run.name=cont")
+    state = artifacts.read_artifact(tmp_path / "runs" / "cont").state
+    assert max((state[k] - v).abs().max().item() for k, v in drafter.state_dict().items()) < 1e-6
+    bad = run_tool("dstrain/main.py", *common, "run.name=bad", "target.capture_layers=[0,1,3]", check=False)
+    assert bad.returncode == 2 and "capture layers [0, 1, 2]" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -29,7 +29,7 @@ def fingerprint(target) -> str:
     h = hashlib.sha256()
     for w in (target.embedding.weight, target.lm_head.weight):
         h.update(str(tuple(w.shape)).encode())
-        h.update(w.detach().float().contiguous().numpy().tobytes())
+        h.update(w.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -55,8 +55,9 @@ def _read_sts(folder: Path) -> list[float] | None:
     return json.loads(f.read_text())["temperatures"] if f.is_file() else None
 
 
-def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | None = None) -> DrafterArtifact:
-    """recipe_path: the training recipe, for run folders written before runs kept their own recipe.yaml."""
+def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | None = None, need_target: bool = True) -> DrafterArtifact:
+    """recipe_path: the training recipe, for run folders written before runs kept their own recipe.yaml.
+    need_target=False: a serving-format folder from elsewhere is read without naming its target (--init-from)."""
     folder = Path(path)
     name = name or folder.name
     cfg_file = folder / "config.json"
@@ -65,7 +66,7 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
         from dstrain.decoding import formats
 
         if formats.is_speculators(cfg) or formats.is_deepspec(cfg) or formats.is_sglang_eagle3(cfg):
-            return _speculators_artifact(folder, cfg, name, recipe_path)
+            return _speculators_artifact(folder, cfg, name, recipe_path, need_target)
         if cfg.get("format") != EXPORT_FORMAT:
             raise UserError(f"{cfg_file}: not a dstrain drafter export (format {cfg.get('format')!r}); export one with tools/export.py")
         from safetensors.torch import load_file
@@ -93,7 +94,7 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
     raise UserError(f"{folder}: neither a training run folder (checkpoints/) nor an exported drafter (config.json)")
 
 
-def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str | None) -> DrafterArtifact:
+def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str | None, need_target: bool = True) -> DrafterArtifact:
     """A speculators-format DFlash/DSpark folder (ours, or trained elsewhere): its own config names the drafter; the
     target comes from our section when we wrote it, else from the recipe given (--recipe)."""
     from safetensors.torch import load_file
@@ -120,11 +121,42 @@ def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str |
         if trained is not None and list(trained) != capture:
             raise UserError(f"{folder}: the file's layer ids read as capture layers {capture}, but the drafter was trained on "
                             f"{list(trained)} (speculators ids must be ours + 1, DeepSpec target_layer_ids and SGLang Eagle3 ids ours)")
+    elif not need_target:
+        target_cfg, seed = {}, 0
     else:
         raise UserError(f"{folder}: a speculators drafter not exported by dstrain: pass --recipe RECIPE naming its target")
     target_cfg = {**target_cfg, "capture_layers": capture}
     return DrafterArtifact(name, folder, drafter_cfg, target_cfg, state, ours.get("target_fingerprint"), _read_sts(folder),
                            ours.get("trained_steps"), seed)
+
+
+SEMANTIC_FIELDS = ("type", "sample_from_anchor", "mask_token_id", "qk_norm", "head", "confidence", "sliding_window")
+
+
+def init_weights(drafter, cfg, frozen) -> DrafterArtifact:
+    """drafter.init_from: load another drafter's weights into a freshly built one, after checking they mean the same
+    thing here: the same target (fingerprint, when the folder carries one), the same capture layers, the same block
+    semantics (SEMANTIC_FIELDS); then every weight by name and shape."""
+    from dstrain.recipe import DrafterConfig
+
+    art = read_artifact(cfg.init_from, need_target=False)
+    src = f"drafter.init_from={cfg.init_from}"
+    if art.fingerprint is not None and art.fingerprint != fingerprint(frozen):
+        raise UserError(f"{src}: trained against a target with fingerprint {art.fingerprint}, this run's target has "
+                        f"{fingerprint(frozen)}: start from a drafter of this target")
+    wanted, have = art.target_cfg.get("capture_layers"), list(frozen.capture_layers)
+    if wanted is not None and (list(wanted) != have and not (cfg.type == "mtp" and list(wanted)[-1:] == have[-1:])):
+        raise UserError(f"{src}: trained on capture layers {list(wanted)}, this run captures {have}: set target.capture_layers={list(wanted)}")
+    theirs = DrafterConfig(**art.drafter_cfg)
+    differ = [f"{k}={getattr(theirs, k)!r}" for k in SEMANTIC_FIELDS if getattr(theirs, k) != getattr(cfg, k)]
+    if differ:
+        raise UserError(f"{src}: that drafter was trained with " + ", ".join(differ) + ": set the same in this recipe")
+    own = drafter.state_dict()
+    bad = sorted(set(own) ^ set(art.state)) + [k for k in own if k in art.state and own[k].shape != art.state[k].shape]
+    if bad:
+        raise UserError(f"{src}: weights do not fit this recipe's {cfg.type} drafter ({bad[:3]}): match its layers, heads and sizes")
+    drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in art.state.items()})
+    return art
 
 
 def _strip(state: dict) -> dict:

@@ -87,6 +87,10 @@ class Trainer:
             scope_deepspeed_to(world.drafter_group)
         torch.manual_seed(recipe.run.seed)
         drafter = build_drafter(recipe.drafter, spec_from_config(frozen.config, frozen.num_capture), frozen.embedding)
+        if recipe.drafter.init_from:  # weights of another drafter (any export format); a resume below overrides them
+            from dstrain.decoding.artifacts import init_weights
+
+            init_weights(drafter, recipe.drafter, frozen)
         decay = [p for p in drafter.parameters() if p.dim() >= 2]
         no_decay = [p for p in drafter.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.train.weight_decay},
