@@ -249,31 +249,6 @@ def test_export_refuses_what_the_format_cannot_express(tmp_path):
     assert formats.capture_to_speculators([0, 5]) == [1, 6] and formats.capture_from_speculators([1, 6]) == [0, 5]
 
 
-def test_cli_export_and_evaluate_a_speculators_folder(tmp_path):
-    """tools/export.py --format speculators, then tools/evaluate.py on the speculators folder: the same rollouts as the
-    dstrain folder it came from (same weights, same seed)."""
-    from conftest import run_tool
-
-    recipe, target, drafter, _ = make("dspark-markov-window", tmp_path)
-    art = artifacts.DrafterArtifact("x", tmp_path / "run", recipe.drafter.model_dump(mode="json"),
-                                    recipe.target.model_dump(mode="json"), drafter.state_dict())
-    ours_dir = artifacts.export(art, target, tmp_path / "dstrain-format")
-    spec_dir = tmp_path / "speculators-format"
-    out = run_tool("tools/export.py", ours_dir, spec_dir, "--format", "speculators")
-    assert "speculators format" in out.stdout and json.loads((spec_dir / "config.json").read_text())["speculators_model_type"] == "dspark"
-    prompts = tmp_path / "prompts.jsonl"
-    g = torch.Generator().manual_seed(2)
-    prompts.write_text("".join(json.dumps({"id": i, "domain": "chat", "input_ids": torch.randint(0, 509, (6 + 3 * i,), generator=g).tolist()}) + "\n"
-                               for i in range(4)))
-    run_tool("tools/evaluate.py", "--drafter", f"a={ours_dir}", "--drafter", f"b={spec_dir}", "--prompts", prompts, "--no-baseline",
-             "--max-new-tokens", "12", "--out", tmp_path / "eval")
-    res = json.loads((tmp_path / "eval" / "results.json").read_text())["drafters"]
-    a, b = res["a"]["domains"]["chat"], res["b"]["domains"]["chat"]
-    assert a["tau"] == b["tau"] and a["conditional_acceptance"] == b["conditional_acceptance"] and a["tau"] > 1
-    bad = run_tool("tools/export.py", ours_dir, tmp_path / "x", "--format", "sglang", check=False)
-    assert bad.returncode == 2
-
-
 @pytest.mark.parametrize("name", ["dspark-rnn-nowindow", "dspark-markov-window", "dflash"])
 def test_deepspec_layout_means_what_training_meant(name, tmp_path):
     """The DeepSpec / SGLang-native layout: target_layer_ids are ours unshifted (SGLang derives them from speculators ids
