@@ -294,3 +294,21 @@ def test_zero2_checkpoint_of_two_drafters_resumes_on_one_continuing_the_data_str
     stream = [s.meta["id"] for s, _ in zip(iter(loader), range(48))]
     assert sorted(before + after) == sorted(stream) and len(set(before + after)) == 48
     assert after == stream[32:]  # one drafter now takes the stream in order from where the two left it
+
+
+# ----------------------------------------------------------------------------- chaos
+@pytest.mark.distributed
+def test_chaos_run_survives_a_kill_a_stop_and_a_corrupted_checkpoint(tmp_path):
+    """tools/chaos.py, short version: three faults (one of each kind), relaunched as a user's launcher would; the final
+    drafter and every loss equal an uninterrupted run's exactly, and every sample trained the drafter exactly once."""
+    from conftest import run_tool
+
+    proc = run_tool("tools/chaos.py", "--faults", "3", "--seed", "0", "--steps", "30", "--out", str(tmp_path / "chaos"),
+                    check=False, timeout=540)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = [line for line in proc.stdout.splitlines() if "faults injected" in line][0]
+    assert "faults injected 3, survived 3" in summary and "losses equal" in summary
+    assert "final drafter equal (exact)" in summary and "each consumed exactly once" in summary
+    kinds = {line.split()[3] for line in proc.stdout.splitlines() if line.startswith("chaos: fault ")}
+    assert kinds == {"kill", "stop", "corrupt"}, proc.stdout
