@@ -268,14 +268,15 @@ def consumed_samples(run, upto=None, after=None):
 
 
 @pytest.mark.distributed
-def test_zero2_checkpoint_of_two_drafters_resumes_on_one_continuing_the_data_stream(shards, tmp_path):
-    """4 steps with 2 drafter ranks at ZeRO-2 (checkpoint at step 4), then the same run resumed with 1 drafter rank
-    (DeepSpeed's elastic load re-partitions the optimizer): steps 5-8 train, and the samples of both parts are
-    exactly the first 48 of the data stream, none twice."""
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_checkpoint_of_two_drafters_resumes_on_one_continuing_the_data_stream(shards, tmp_path, zero):
+    """4 steps with 2 drafter ranks at ZeRO-2/3 (checkpoint at step 4), then the same run resumed with 1 drafter rank
+    (converted once to a DeepSpeed universal checkpoint, re-partitioned on load): steps 5-8 train, and the samples of
+    both parts are exactly the first 48 of the data stream, none twice."""
     from dstrain.data.loader import ShardLoader
 
     out = tmp_path / "out"
-    common = ["deepspeed.zero_stage=2", "train.checkpoint_every=4"]
+    common = [f"deepspeed.zero_stage={zero}", "train.checkpoint_every=4"]
     first = launch(disagg_args(shards, out, 4, *common))
     _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
@@ -294,6 +295,7 @@ def test_zero2_checkpoint_of_two_drafters_resumes_on_one_continuing_the_data_str
     stream = [s.meta["id"] for s, _ in zip(iter(loader), range(48))]
     assert sorted(before + after) == sorted(stream) and len(set(before + after)) == 48
     assert after == stream[32:]  # one drafter now takes the stream in order from where the two left it
+    assert (run / "checkpoints" / ".universal" / "step-4").is_dir() and "is damaged" not in second.stderr
 
 
 # ----------------------------------------------------------------------------- chaos

@@ -144,15 +144,9 @@ def start_watchdog(world, run_dir=None, stall_floor_s: float = 30.0, stall_facto
 
 
 def progress(step: int, phase: str) -> None:
-    """The main thread enters `phase` of `step` (cheap: two attribute writes; the watcher publishes it).
-    `DSTRAIN_INJECT_HANG=RANK:STEP:PHASE` (tests, tools/chaos.py) makes that rank hang there, heartbeat alive."""
-    if not _STATE:
-        return
-    _STATE["progress"].set(step, phase)
-    hang = os.environ.get("DSTRAIN_INJECT_HANG")
-    if hang and hang.split(":") == [str(_STATE["rank"]), str(step), phase]:
-        while True:
-            time.sleep(3600)
+    """The main thread enters `phase` of `step` (cheap: a few attribute writes; the watcher publishes it)."""
+    if _STATE:
+        _STATE["progress"].set(step, phase)
 
 
 def stop_watchdog() -> None:
