@@ -104,9 +104,7 @@ def train(recipe) -> int:
         frozen = from_target(target)  # the target's own embedding and LM head: on world.device with it
         cache = FeatureCache(recipe.train.target_cache_mb * 2**20) if recipe.train.target_cache_mb else None
         source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device)
-    trainer = Trainer(recipe, frozen, source, run_dir, world)
-    if world.is_main:
-        trainer.verified_tag = verified
+    trainer = Trainer(recipe, frozen, source, run_dir, world, **({"verified_tag": verified} if world.is_main else {}))
     summary = trainer.train()
     mark_done()
     if world.is_main and summary["last"]:
