@@ -116,14 +116,15 @@ def train(recipe) -> int:
 
 def preflight(recipe):
     """Every cheap check before any process group, weight or DeepSpeed engine: the world size against the recipe,
-    the data shards and their manifest, the target folder, the output folder writable, and (on rank 0, which resumes
+    the device, the data shards and their manifest, the target folder, the output folder writable, and (on rank 0, which resumes
     first) the checkpoint folder, verified against its manifests. Returns the verified checkpoint tag (rank 0)."""
     from dstrain.data.loader import load_manifest
     from dstrain.errors import UserError
-    from dstrain.runtime.world import check_world_size, layout_of
+    from dstrain.runtime.world import check_world_size, layout_of, run_device
     from dstrain.train import checkpoint
 
     check_world_size(layout_of(recipe.world))
+    run_device(recipe, int(os.environ.get("LOCAL_RANK", "0")))  # e.g. run.device=cuda on a machine without one
     load_manifest(recipe.data.shards, recipe.target.name)
     if recipe.target.source == "path" and not Path(recipe.target.path).is_dir():
         raise UserError(f"target.path {recipe.target.path} is not a folder; point it at the target's Hugging Face folder")
