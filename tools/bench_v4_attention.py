@@ -14,7 +14,6 @@ compared (the reference with the indexer's ties broken as dstrain breaks them: l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -44,20 +43,6 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-@contextlib.contextmanager
-def lower_index_ties():
-    original = torch.Tensor.topk
-
-    def topk(self, k, dim=-1, largest=True, sorted=True):
-        idx = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
-        return torch.return_types.topk((self.gather(dim, idx), idx))
-
-    torch.Tensor.topk = topk
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = original
-
 
 def child(impl: str, layer: int, seq: int, folder: str, out: str) -> None:
     """Build, then measure one forward of one attention layer; write the output and print the numbers."""
@@ -70,10 +55,12 @@ def child(impl: str, layer: int, seq: int, folder: str, out: str) -> None:
     if impl == "dense":
         from transformers.masking_utils import create_sliding_window_causal_mask
 
+        from dstrain.targets import v4_attention
+
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         attn = hf.model.layers[layer].self_attn
         base, t0 = rss_mib(), time.perf_counter()
-        with lower_index_ties():
+        with v4_attention.lower_index_ties():
             mask = create_sliding_window_causal_mask(config=hf.config, inputs_embeds=x, attention_mask=None, cache=None,
                                                      position_ids=pos)
             pe = {k: hf.model.rotary_emb(x, position_ids=pos, layer_type=k) for k in ("main", "compress")}

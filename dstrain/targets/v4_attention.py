@@ -16,6 +16,7 @@ every rank, so its head-sum is not split).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -280,3 +281,19 @@ class V4Attention(MegatronModule):
         out, _ = self.linear_proj(out)
         return out.transpose(0, 1).contiguous()
 
+
+@contextlib.contextmanager
+def lower_index_ties():
+    """`Tensor.topk` with ties to the lower index — this indexer's rule — for running transformers' V4 as a reference
+    (torch leaves the order of equal values unspecified). `torch.topk` itself is unchanged."""
+    original = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        idx = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, idx), idx))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original

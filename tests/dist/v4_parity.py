@@ -15,7 +15,6 @@ so the transformers reference runs with `Tensor.topk` (only the indexer calls it
 same rule. `sensitivity` reports how far HF moves with torch's own tie order, and with top-k = all entries.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -59,21 +58,6 @@ SEQ = (2, 70)  # 17 CSA entries per sequence against top-4 / top-3; 8 or 4 HCA e
 RANDOMISED = ("sinks", "position_bias", ".base", "hc_base", ".scale", "hc_scale")  # zero/one at init: make them matter
 
 
-@contextlib.contextmanager
-def stable_topk():
-    """Tensor.topk with ties to the lower index (the rule dstrain's indexer follows); torch.topk itself unchanged."""
-    original = torch.Tensor.topk
-
-    def topk(self, k, dim=-1, largest=True, sorted=True):
-        idx = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
-        return torch.return_types.topk((self.gather(dim, idx), idx))
-
-    torch.Tensor.topk = topk
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = original
-
 
 def hf_model(case: dict, folder: str):
     hf = random_model(case, seed=7, dtype="float32")
@@ -106,7 +90,7 @@ def fp8_model(case: dict, folder: str):
 
 
 def reference(hf, ids):
-    with stable_topk():
+    with v4_attention.lower_index_ties():
         return HFTarget(hf, "v4", capture_layers=CAPTURE)(ids)
 
 
