@@ -33,7 +33,7 @@ def main() -> int:
 
     from dstrain.data.loader import ShardLoader
     from dstrain.data.prompts import make_prompts
-    from dstrain.data.regen import HFGenerator, Sampling, regenerate
+    from dstrain.data.regen import Sampling, local_generator, regenerate
     from dstrain.data.shards import build_shards
     from dstrain.data.tokenize import TokenizeConfig
     from dstrain.recipe import load_recipe
@@ -60,8 +60,8 @@ def main() -> int:
     print(f"[2/5] prompts: {prompts_path}")
 
     t = time.perf_counter()
-    gen = HFGenerator(folder, Sampling(max_new_tokens=args.max_new_tokens, seed=recipe.run.seed), recipe.target.dtype)
-    stats = regenerate(str(prompts_path), str(data_dir / "conversations.jsonl"), gen, recipe.target.name, args.batch_size)
+    gen = local_generator(folder, Sampling(max_new_tokens=args.max_new_tokens, seed=recipe.run.seed), recipe.target.dtype, args.batch_size)
+    stats = regenerate(str(prompts_path), str(data_dir / "conversations.jsonl"), gen, recipe.target.name)
     timings["regenerate_s"] = time.perf_counter() - t
     summary["regenerate"] = {k: v for k, v in stats.items() if k != "bad_data"}
     print(f"[3/5] regenerated {stats['written']} new conversations, {stats['new_tokens']} tokens at {stats['tokens_per_s']:.1f} tok/s")

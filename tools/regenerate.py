@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Answer training prompts with the target: local Hugging Face model or an OpenAI-compatible endpoint.
 
+A local target runs under continuous batching: a finished answer's slot is refilled at once.
 Multi-turn prompts are answered turn by turn with the regenerated history. Resumable: rerun the same
 command after a crash and finished ids are skipped. Failures go to an errors file with reasons.
 """
@@ -25,7 +26,8 @@ def main() -> int:
     src.add_argument("--endpoint", help="OpenAI-compatible base URL, e.g. http://host:30000/v1 (SGLang / vLLM)")
     ap.add_argument("--model", default="default", help="model name sent to the endpoint")
     ap.add_argument("--target-name", help="name recorded in each record (default: the recipe's target.name or the folder name)")
-    ap.add_argument("--batch-size", type=int, default=32, help="conversations per generate call / concurrent requests")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences decoded together / concurrent requests to the endpoint")
+    ap.add_argument("--static", action="store_true", help="fixed batches of similar prompt lengths instead of continuous batching (local target)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -34,7 +36,7 @@ def main() -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
 
-    from dstrain.data.regen import HFGenerator, OpenAIGenerator, Sampling, regenerate
+    from dstrain.data.regen import OpenAIGenerator, Sampling, local_generator, regenerate
 
     if sum(x is not None for x in (args.recipe, args.target_dir, args.endpoint)) != 1:
         raise UserError("choose exactly one target: --recipe, --target-dir or --endpoint")
@@ -57,8 +59,8 @@ def main() -> int:
             if folder is None:
                 raise UserError(f"{args.recipe}: a random target cannot answer prompts; use a recipe with a real target")
         name = name or folder.rstrip("/").split("/")[-1]
-        gen = HFGenerator(folder, sampling, dtype)
-    stats = regenerate(args.prompts, args.out, gen, name, args.batch_size, args.errors, args.limit, progress=not args.no_progress)
+        gen = local_generator(folder, sampling, dtype, args.batch_size, static=args.static)
+    stats = regenerate(args.prompts, args.out, gen, name, args.errors, args.limit, progress=not args.no_progress)
     bad = stats.pop("bad_data")
     print(json.dumps(stats))
     if bad["counts"]:
