@@ -1,0 +1,148 @@
+"""A shipped training corpus: a target's regenerated conversations, compressed, with a manifest.
+
+Layout of a corpus folder (corpus/smollm2_moe):
+  prompts.jsonl            the prompts (tools/make_prompts.py), the input of regeneration
+  conversations.jsonl.xz   the target's answers, one record per prompt (dstrain/data/regen.py)
+  manifest.json            counts, sampling parameters, target and tokenizer fingerprints, sha256s,
+                           and the held-out split (prompts never trained on, for a held-out τ)
+While regeneration runs, conversations.jsonl (uncompressed, appended to) sits beside them;
+`pack` checks every record and writes the .xz and the manifest atomically, `unpack` restores it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+from collections import Counter
+from pathlib import Path
+
+from dstrain.errors import UserError
+
+DEFAULT = Path(__file__).resolve().parents[2] / "corpus" / "smollm2_moe"
+HELD_OUT_EVERY = 20  # one prompt in 20 (by id hash) is held out: same mix, never trained on
+
+
+def held_out(prompt_id: str) -> bool:
+    return int(hashlib.sha256(prompt_id.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def manifest(folder: Path = DEFAULT) -> dict:
+    path = Path(folder) / "manifest.json"
+    if not path.is_file():
+        raise UserError(f"{folder}: no manifest.json — not a packed corpus (run tools/pack_corpus.py {folder})")
+    return json.loads(path.read_text())
+
+
+def pack(folder: Path, target_folder: str, make_prompts: dict | None = None) -> dict:
+    """Check conversations.jsonl against the target that made it, compress it and write the manifest."""
+    from transformers import AutoTokenizer
+
+    from dstrain.data.tokenize import tokenizer_fingerprint
+    from dstrain.targets.fingerprint import weights_fingerprint
+
+    folder = Path(folder)
+    raw_path, prompts_path = folder / "conversations.jsonl", folder / "prompts.jsonl"
+    if not raw_path.is_file() or not prompts_path.is_file():
+        raise UserError(f"{folder}: needs prompts.jsonl and conversations.jsonl (tools/regenerate.py writes the latter)")
+    raw = raw_path.read_bytes()
+    keep = raw.rfind(b"\n") + 1  # a torn last line (regeneration still running) is not packed
+    raw = raw[:keep]
+    prompts = {json.loads(line)["id"]: json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()}
+    records = [json.loads(line) for line in raw.splitlines()]
+    targets = Counter(r["target"] for r in records)
+    samplings = Counter(json.dumps(r["sampling"], sort_keys=True) for r in records)
+    if len(targets) != 1 or len(samplings) != 1:
+        raise UserError(f"{raw_path}: records from several targets {dict(targets)} or samplings {dict(samplings)}; "
+                        "a corpus is one target at one sampling setting")
+    ids = [r["id"] for r in records]
+    if len(set(ids)) != len(ids) or not set(ids) <= set(prompts):
+        raise UserError(f"{raw_path}: duplicate ids or ids not in prompts.jsonl")
+    tok = AutoTokenizer.from_pretrained(target_folder)
+    data = lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME)
+    heldout = sorted(i for i in prompts if held_out(i))
+    man = {
+        "records": len(records), "prompts": len(prompts), "complete": len(records) == len(prompts),
+        "domains": dict(Counter(r["domain"] for r in records)),
+        "turns": sum(len(r["finish_reasons"]) for r in records),
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "finish_reasons": dict(Counter(f for r in records for f in r["finish_reasons"])),
+        "bytes": {"compressed": len(data), "raw": len(raw), "prompts": prompts_path.stat().st_size},
+        "sha256": {"conversations.jsonl": _sha256(raw), "conversations.jsonl.xz": _sha256(data),
+                   "prompts.jsonl": _sha256(prompts_path.read_bytes())},
+        "target": {"name": next(iter(targets)), "weights_fingerprint": weights_fingerprint(target_folder),
+                   "tokenizer_fingerprint": tokenizer_fingerprint(tok)},
+        "sampling": json.loads(next(iter(samplings))),
+        "generators": dict(Counter(r["generator"] for r in records)),
+        "make_prompts": make_prompts,
+        "held_out": {"rule": f"sha256(id) % {HELD_OUT_EVERY} == 0", "ids": heldout},
+    }
+    _write_atomic(folder / "conversations.jsonl.xz", data)
+    _write_atomic(folder / "manifest.json", (json.dumps(man, indent=1) + "\n").encode())
+    return man
+
+
+def _records(folder: Path) -> bytes:
+    man = manifest(folder)
+    path = Path(folder) / "conversations.jsonl.xz"
+    try:
+        raw = lzma.decompress(path.read_bytes())
+    except (OSError, lzma.LZMAError) as exc:
+        raise UserError(f"{path}: unreadable ({exc}); restore it with `git checkout -- {path}`") from None
+    if _sha256(raw) != man["sha256"]["conversations.jsonl"]:
+        raise UserError(f"{path}: content does not match manifest.json; repack with tools/pack_corpus.py")
+    return raw
+
+
+def unpack(folder: Path, out: Path, split: str = "all") -> int:
+    """Write the corpus records of one split ('train', 'held_out' or 'all') as JSONL. Returns the count."""
+    if split not in ("train", "held_out", "all"):
+        raise ValueError(split)
+    lines = [line for line in _records(folder).splitlines()
+             if split == "all" or held_out(json.loads(line)["id"]) == (split == "held_out")]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out, b"".join(line + b"\n" for line in lines))
+    return len(lines)
+
+
+def held_out_prompts(folder: Path, out: Path) -> int:
+    """The held-out prompts (any not yet answered included) as a prompts JSONL, for tools/evaluate.py."""
+    man = manifest(folder)
+    keep = set(man["held_out"]["ids"])
+    lines = [line for line in (Path(folder) / "prompts.jsonl").read_text().splitlines()
+             if line.strip() and json.loads(line)["id"] in keep]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out, "".join(line + "\n" for line in lines).encode())
+    return len(lines)
+
+
+def check_target(folder: Path, target_folder: str, target_name: str) -> dict:
+    """The corpus was made by this target (weights and tokenizer), or one line saying which differs."""
+    from transformers import AutoTokenizer
+
+    from dstrain.data.tokenize import tokenizer_fingerprint
+    from dstrain.targets.fingerprint import weights_fingerprint
+
+    man = manifest(folder)
+    want = man["target"]
+    have = {"name": target_name, "weights_fingerprint": weights_fingerprint(target_folder),
+            "tokenizer_fingerprint": tokenizer_fingerprint(AutoTokenizer.from_pretrained(target_folder))}
+    for key, value in have.items():
+        if want[key] != value:
+            raise UserError(f"{folder}: made by a target with {key} {want[key]}, this target ({target_folder}) has {value}; "
+                            "regenerate the corpus with this target (tools/regenerate.py) or use the recipe it was made for")
+    return man
