@@ -102,7 +102,10 @@ def train(recipe) -> int:
         target = load_target(recipe.target, seed=recipe.run.seed)
         target.model.to(world.device)  # built on the CPU (same weights for a seed on any device), then moved
         frozen = from_target(target)  # the target's own embedding and LM head: on world.device with it
+        from dstrain.train.feature_store import open_store
+
         cache = FeatureCache(recipe.train.target_cache_mb * 2**20) if recipe.train.target_cache_mb else None
+        cache = open_store(recipe, target, world.device.type, memory=cache) or cache  # disk behind the memory cache
         source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device)
     trainer = Trainer(recipe, frozen, source, run_dir, world, **({"verified_tag": verified} if world.is_main else {}))
     summary = trainer.train()
@@ -111,6 +114,12 @@ def train(recipe) -> int:
         first, last = summary["first"], summary["last"]
         print(f"trained {summary['steps']} steps: loss {first['loss']:.4f} -> {last['loss']:.4f}, "
               f"tau_hat {first['tau_hat']:.3f} -> {last['tau_hat']:.3f}; run dir {run_dir}")
+        if "feature_cache/hits" in summary.get("feature_cache", {}):
+            c = summary["feature_cache"]
+            print(f"feature cache {recipe.train.feature_cache_dir}: {c['feature_cache/hits']:.0f} disk hits, "
+                  f"{c['feature_cache/memory_hits']:.0f} memory hits, "
+                  f"{c['feature_cache/misses']:.0f} misses ({c['feature_cache/corrupt']:.0f} corrupt), "
+                  f"{c['feature_cache/bytes_written'] / 2**20:.1f} MiB written, {c['target_feature_s']:.1f} s on target features")
     return 0
 
 

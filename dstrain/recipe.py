@@ -214,6 +214,12 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(200, ge=1)
     keep_checkpoints: int = Field(3, ge=1)
     target_cache_mb: int = Field(0, ge=0, description="colocated: keep per-sample target features (frozen target) up to this size")
+    feature_cache_dir: str | None = Field(None, description="colocated: an on-disk cache of target features, keyed by the target's "
+                                          "fingerprint, capture layers, dtype and each sample's token ids, reused across epochs, "
+                                          "runs, ranks and drafter families (null = off; disaggregated runs stream features and "
+                                          "do not use it)")
+    feature_cache_gb: float = Field(4.0, gt=0.0, description="bound on the feature cache folder's size (least recently used "
+                                                              "entries evicted)")
 
 
 class Recipe(Section):
@@ -235,6 +241,9 @@ class Recipe(Section):
             raise ValueError("all loss weights are zero: nothing to train")
         if self.data.max_length < self.drafter.block_size + 1:
             raise ValueError(f"data.max_length ({self.data.max_length}) must exceed drafter.block_size ({self.drafter.block_size})")
+        if self.train.feature_cache_dir and self.world.mode == "disaggregated":
+            raise ValueError("train.feature_cache_dir applies to colocated runs (a disaggregated target streams its features):"
+                             " set it to null or world.mode=colocated")
         if self.train.warmup_steps > self.train.steps:
             raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
         if self.train.min_lr > self.train.lr:

@@ -9,6 +9,7 @@ the losses are one code path.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from dstrain.runtime.channel import Receiver, compact, needed_rows, send_resume
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks
-from dstrain.train.step import FeatureCache, TargetFeatures, pack_step, target_features
+from dstrain.train.step import TargetFeatures, pack_step, target_features
 
 
 @dataclass
@@ -33,10 +34,12 @@ class MicroBatch:
 class LocalSource:
     """`device`: where the micro-batches go (the target's and the drafter's device); packing runs on the CPU."""
 
-    def __init__(self, target, loader, recipe, cache: FeatureCache | None = None, device=None):
+    def __init__(self, target, loader, recipe, cache=None, device=None):
+        """`cache`: a step.FeatureCache or a feature_store.FeatureStore (or None: the target runs every visit)."""
         self.target, self.loader, self.recipe, self.cache = target, loader, recipe, cache
         self.device = torch.device(device or "cpu")
         self._stream = None
+        self.feature_s = 0.0  # time spent getting target features (forward or cache): what a warm cache saves
 
     def start(self, step: int) -> None:
         self._stream = iter(self.loader)
@@ -50,7 +53,17 @@ class LocalSource:
         return out
 
     def features(self, samples: list[Sample]) -> TargetFeatures:  # lazily, one micro-batch at a time
-        return target_features(self.target, samples, self.cache)
+        t0 = time.perf_counter()
+        feats = target_features(self.target, samples, self.cache)
+        self.feature_s += time.perf_counter() - t0
+        return feats
+
+    def cache_metrics(self) -> dict:
+        """Cumulative: seconds spent on target features, and the on-disk cache's counters when there is one."""
+        out = {"target_feature_s": self.feature_s}
+        if hasattr(self.cache, "metrics"):
+            out.update(self.cache.metrics())
+        return out
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()

@@ -66,19 +66,23 @@ def target_device(target) -> torch.device:
 
 
 @torch.no_grad()
-def target_features(target, samples: list[Sample], cache: FeatureCache | None = None) -> TargetFeatures:
-    """Features of `samples` on the target's device; the cache holds CPU copies (GPU memory is for training)."""
+def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures:
+    """Features of `samples` on the target's device. `cache`: a FeatureCache or a feature_store.FeatureStore, keyed
+    by the sample's token ids (features are a function of them alone); it holds CPU copies (GPU memory is for training)."""
+    from dstrain.train.feature_store import sample_key
+
     device = target_device(target)
-    todo = [s for s in samples if cache is None or cache.get(s.meta["id"]) is None]
-    fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    keys = [sample_key(s.input_ids) for s in samples]
+    found = {k: hit for k in set(keys) if cache is not None and (hit := cache.get(k)) is not None}
+    todo = [(k, s) for k, s in {k: s for k, s in zip(keys, samples) if k not in found}.items()]
     if todo:
-        ids, att, lengths = padded_batch(todo)
+        ids, att, lengths = padded_batch([s for _, s in todo])
         out = target(ids.to(device), att.to(device))
-        for i, s in enumerate(todo):
-            fresh[s.meta["id"]] = (out.captured[i, : lengths[i]].clone(), out.final_hidden[i, : lengths[i]].clone())
+        for i, (k, _) in enumerate(todo):
+            found[k] = (out.captured[i, : lengths[i]].clone(), out.final_hidden[i, : lengths[i]].clone())
             if cache is not None:
-                cache.put(s.meta["id"], *(t.cpu() for t in fresh[s.meta["id"]]))
-    parts = [fresh.get(s.meta["id"]) or cache.get(s.meta["id"]) for s in samples]
+                cache.put(k, *(t.cpu() for t in found[k]))
+    parts = [found[k] for k in keys]
     return TargetFeatures(torch.cat([c.to(device) for c, _ in parts]), torch.cat([f.to(device) for _, f in parts]))
 
 

@@ -234,6 +234,20 @@ class Trainer:
         local = torch.stack(grads).pow(2).sum() if grads else torch.zeros((), device=self.device)
         return float(_all_reduce(local, self.group).sqrt())
 
+    def _cache_metrics(self) -> dict:
+        """The feature cache's cumulative counters summed over drafter ranks (target_feature_s: the mean per rank)."""
+        local = getattr(self.source, "cache_metrics", dict)()
+        if not local:
+            return {}
+        keys = sorted(k for k in local if k != "feature_cache/hit_rate")
+        total = _all_reduce(torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=self.device), self.group)
+        out = dict(zip(keys, total.cpu().tolist()))
+        out["target_feature_s"] /= self.dp_world
+        if "feature_cache/misses" in out:
+            hits = out["feature_cache/hits"] + out["feature_cache/memory_hits"]
+            out["feature_cache/hit_rate"] = hits / max(hits + out["feature_cache/misses"], 1)
+        return out
+
     # -- loop --------------------------------------------------------------------------------------------
     def train(self) -> dict:
         r = self.recipe
@@ -264,6 +278,7 @@ class Trainer:
                                     "tokens_per_s": window["tokens"] / (now - t_last), "peak_memory_mb": peak_memory_mb(self.device)})
                     for i, m in enumerate(self.drafter.moe_layers()):
                         metrics[f"expert_load_max/layer{i}"] = float(m.last_load.max() * m.num_experts)
+                    metrics.update(self._cache_metrics())
                     monitor.log(self.step, metrics)
                     t_last, window = now, {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
                 if self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
@@ -275,5 +290,7 @@ class Trainer:
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start
             logged = [json.loads(line) for line in monitor.path.read_text().splitlines() if line.strip()]
             summary.update(first=logged[0] if logged else None, last=logged[-1] if logged else None)
+            if logged and "target_feature_s" in logged[-1]:  # cumulative counters: the last line holds the run's totals
+                summary["feature_cache"] = {k: v for k, v in logged[-1].items() if k.startswith(("feature_cache/", "target_feature_s"))}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

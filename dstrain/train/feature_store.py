@@ -1,0 +1,261 @@
+"""An on-disk cache of frozen-target features, shared by epochs, runs, ranks and drafter families.
+
+The target is frozen, so a sample's captured layers and final states are a pure function of (target weights,
+capture layers, dtype, device kind, the sample's token ids). Training several drafters on one corpus (the family
+table) or many epochs over small data pays the target forward once per sample instead of once per visit.
+
+Layout: `<root>/<namespace>/<key[:2]>/<key>.feat`. The namespace hashes the target fingerprint, capture layers,
+dtype and device kind; the key hashes the token ids (not the sample's index: shards can be rebuilt or reordered).
+An entry is `MAGIC | u32 header length | JSON header (shapes, dtype, key, payload length, crc32) | payload`.
+
+- Written atomically: a private temp file in the entry's folder, fsync, then rename. Readers never see a torn
+  entry from a live writer; a torn or corrupt entry left by a crash or a bad disk fails the length/crc/key
+  check, is counted (`corrupt`), removed, and recomputed by the caller.
+- Several processes (the ranks of a run, or two runs) share a folder safely: two writers of one key each
+  rename a complete file (the last wins; both are the same features), a reader holds its own file handle,
+  and eviction runs under an flock.
+- Bounded: entries are touched on a hit (mtime = last use); when the bytes this process believes are on disk
+  pass `max_bytes`, it rescans the whole root under the lock and deletes least recently used entries down to
+  90 % of the bound. Each process rescans at least every `max_bytes / 20` bytes it writes, so with N
+  concurrent writers the folder overshoots the bound by at most N × 5 %.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+MAGIC = b"DSFEAT01"
+FORMAT_VERSION = 1
+LOW_WATERMARK = 0.9  # evict to 90 % of the bound, so eviction scans are not paid on every write
+RESCAN_FRACTION = 0.05
+STALE_TMP_S = 3600  # a temp file this old belongs to a writer that died
+
+
+def sample_key(input_ids: torch.Tensor) -> str:
+    """Content key of one sample: its token ids (int64, as the loader yields them)."""
+    return hashlib.sha256(input_ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:32]
+
+
+def target_fingerprint(target_cfg, seed: int = 0) -> str:
+    """What changes when the target's weights or config change, cheaply (no weight hashing).
+
+    A checkpoint folder: config.json's bytes, and per weight file its name, size, mtime and (safetensors) header.
+    A `source: random` target: its config, seed and the library versions that draw its weights.
+    """
+    import transformers
+
+    h = hashlib.sha256(json.dumps({"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__,
+                                   "dtype": target_cfg.dtype, "source": target_cfg.source}).encode())
+    if target_cfg.source == "random":
+        h.update(json.dumps({"hf_config": target_cfg.hf_config, "seed": seed}, sort_keys=True).encode())
+        return h.hexdigest()[:16]
+    from dstrain.targets import target_folder
+
+    folder = Path(target_folder(target_cfg))
+    h.update((folder / "config.json").read_bytes())
+    for f in sorted(folder.iterdir()):
+        if f.suffix not in (".safetensors", ".bin", ".gguf", ".pt"):
+            continue
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        if f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                h.update(fh.read(min(n, 64 << 20)))
+    return h.hexdigest()[:16]
+
+
+def namespace_of(fingerprint: str, capture_layers: list[int], dtype: torch.dtype, device_kind: str) -> str:
+    """One folder per way of computing features: a changed fingerprint, layer list, dtype or device misses."""
+    desc = json.dumps({"v": FORMAT_VERSION, "target": fingerprint, "layers": list(capture_layers),
+                       "dtype": str(dtype), "device": device_kind})
+    return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def _dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name}")
+    return dtype
+
+
+def encode(key: str, captured: torch.Tensor, final: torch.Tensor) -> bytes:
+    if captured.dtype != final.dtype:
+        raise ValueError("captured and final features must share a dtype")
+    payload = b"".join(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in (captured, final))
+    header = json.dumps({"key": key, "dtype": str(captured.dtype), "captured": list(captured.shape), "final": list(final.shape),
+                         "nbytes": len(payload), "crc32": zlib.crc32(payload)}).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header + payload
+
+
+def decode(blob: bytes, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entry's two tensors; ValueError on anything torn, corrupt or written for another key."""
+    if len(blob) < len(MAGIC) + 4 or blob[: len(MAGIC)] != MAGIC:
+        raise ValueError("bad magic")
+    (n,) = struct.unpack("<I", blob[len(MAGIC) : len(MAGIC) + 4])
+    start = len(MAGIC) + 4 + n
+    if start > len(blob):
+        raise ValueError("truncated header")
+    try:
+        head = json.loads(blob[len(MAGIC) + 4 : start])
+        dtype, shapes = _dtype_of(head["dtype"]), (tuple(head["captured"]), tuple(head["final"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"bad header ({exc})") from None
+    payload = blob[start:]
+    if head["key"] != key or len(payload) != head["nbytes"] or zlib.crc32(payload) != head["crc32"]:
+        raise ValueError("key, length or checksum mismatch")
+    esize = torch.empty((), dtype=dtype).element_size()
+    split = esize * math.prod(shapes[0])
+    if split + esize * math.prod(shapes[1]) != len(payload):
+        raise ValueError("shapes do not match the payload")
+    buf = bytearray(payload)  # writable, so the tensors own ordinary memory
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat[:split].view(dtype).view(shapes[0]), flat[split:].view(dtype).view(shapes[1])
+
+
+class FeatureStore:
+    """Per-sample features on disk (optionally behind the in-memory step.FeatureCache), keyed by `sample_key`.
+
+    `get`/`put` take the sample key; the counters (hits, misses, corrupt entries, bytes) feed the run's metrics.
+    """
+
+    def __init__(self, root: str | Path, max_bytes: int, namespace: str, memory=None):
+        self.root, self.max_bytes, self.memory = Path(root), int(max_bytes), memory
+        self.folder = self.root / namespace
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.stats = {"hits": 0, "memory_hits": 0, "misses": 0, "corrupt": 0, "written": 0, "bytes_read": 0,
+                      "bytes_written": 0, "evicted": 0, "evicted_bytes": 0}
+        self._written_since_scan = 0
+        self._disk_bytes = self._evict_if_needed(force=True)
+
+    def path(self, key: str) -> Path:
+        return self.folder / key[:2] / f"{key}.feat"
+
+    def get(self, key: str):
+        if self.memory is not None and (hit := self.memory.get(key)) is not None:
+            self.stats["memory_hits"] += 1
+            return hit
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:  # never written, or evicted by another process meanwhile
+            self.stats["misses"] += 1
+            return None
+        try:
+            feats = decode(blob, key)
+        except ValueError:
+            self.stats["corrupt"] += 1
+            self.stats["misses"] += 1
+            path.unlink(missing_ok=True)  # the caller recomputes and rewrites it
+            return None
+        try:
+            os.utime(path)  # last use, for LRU eviction
+        except FileNotFoundError:
+            pass
+        self.stats["hits"] += 1
+        self.stats["bytes_read"] += len(blob)
+        if self.memory is not None:
+            self.memory.put(key, *feats)
+        return feats
+
+    def put(self, key: str, captured: torch.Tensor, final: torch.Tensor) -> None:
+        if self.memory is not None:
+            self.memory.put(key, captured, final)
+        blob = encode(key, captured, final)
+        if len(blob) > self.max_bytes * (1 - LOW_WATERMARK):  # would evict a tenth of the cache by itself
+            return
+        path = self.path(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        self.stats["written"] += 1
+        self.stats["bytes_written"] += len(blob)
+        self._disk_bytes += len(blob)
+        self._written_since_scan += len(blob)
+        self._evict_if_needed()
+
+    def _evict_if_needed(self, force: bool = False) -> int:
+        """Rescan (under the root's lock) when over the bound or after writing a twentieth of it; evict LRU entries."""
+        if not force and self._disk_bytes <= self.max_bytes and self._written_since_scan <= self.max_bytes * RESCAN_FRACTION:
+            return self._disk_bytes
+        with open(self.root / ".evict.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entries, total, now = [], 0, time.time()
+            for dirpath, _, files in os.walk(self.root):
+                for name in files:
+                    p = os.path.join(dirpath, name)
+                    try:
+                        st = os.stat(p)
+                    except FileNotFoundError:
+                        continue
+                    if name.startswith(".tmp-"):
+                        if now - st.st_mtime > STALE_TMP_S:
+                            _unlink(p)
+                        continue
+                    if name.endswith(".feat"):
+                        entries.append((st.st_mtime, st.st_size, p))
+                        total += st.st_size
+            if total > self.max_bytes:
+                for _, size, p in sorted(entries):
+                    if total <= self.max_bytes * LOW_WATERMARK:
+                        break
+                    if _unlink(p):
+                        self.stats["evicted"] += 1
+                        self.stats["evicted_bytes"] += size
+                    total -= size
+        self._disk_bytes, self._written_since_scan = total, 0
+        return total
+
+    def disk_bytes(self) -> int:
+        return self._disk_bytes
+
+    def metrics(self) -> dict:
+        """Cumulative counters, named for the metrics file and wandb."""
+        out = {f"feature_cache/{k}": v for k, v in self.stats.items()}
+        looked = self.stats["hits"] + self.stats["memory_hits"] + self.stats["misses"]
+        out["feature_cache/hit_rate"] = (self.stats["hits"] + self.stats["memory_hits"]) / max(looked, 1)
+        out["feature_cache/disk_bytes"] = self._disk_bytes
+        return out
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def open_store(recipe, target, device_kind: str, memory=None) -> FeatureStore | None:
+    """The run's store from `train.feature_cache_dir` / `train.feature_cache_gb` (None when off)."""
+    t = recipe.train
+    if not t.feature_cache_dir:
+        return None
+    from dstrain.errors import UserError
+
+    dtype = next(target.model.parameters()).dtype
+    ns = namespace_of(target_fingerprint(recipe.target, recipe.run.seed), target.capture_layers, dtype, device_kind)
+    try:
+        return FeatureStore(t.feature_cache_dir, int(t.feature_cache_gb * 2**30), ns, memory)
+    except OSError as exc:
+        raise UserError(f"train.feature_cache_dir {t.feature_cache_dir}: cannot use it ({exc.strerror or exc}); "
+                        "point it at a writable folder or set it to null") from None
