@@ -95,17 +95,22 @@ def train(recipe) -> int:
         frozen = load_frozen_parts(recipe.target, recipe.run.seed)
         source = channel_source(recipe, world, frozen)
     else:
-        from dstrain.targets import load_target
-        from dstrain.targets.frozen import from_target
         from dstrain.train.step import FeatureCache
 
-        target = load_target(recipe.target, seed=recipe.run.seed)
-        target.model.to(world.device)  # built on the CPU (same weights for a seed on any device), then moved
-        frozen = from_target(target)  # the target's own embedding and LM head: on world.device with it
-        from dstrain.train.feature_store import open_store
-
         cache = FeatureCache(recipe.train.target_cache_mb * 2**20) if recipe.train.target_cache_mb else None
-        cache = open_store(recipe, target, world.device.type, memory=cache) or cache  # disk behind the memory cache
+        if recipe.train.feature_cache_dir:  # features from disk: the target loads only if a sample misses
+            from dstrain.targets.frozen import load_frozen_parts
+            from dstrain.train.feature_store import LazyTarget, open_store
+
+            frozen = load_frozen_parts(recipe.target, recipe.run.seed)  # the embedding and LM head alone
+            frozen.embedding.to(world.device), frozen.lm_head.to(world.device)
+            target = LazyTarget(lambda: colocated_target(recipe, world.device), world.device)
+            cache = open_store(recipe, frozen.capture_layers, world.device.type, memory=cache)
+        else:
+            from dstrain.targets.frozen import from_target
+
+            target = colocated_target(recipe, world.device)
+            frozen = from_target(target)  # the target's own embedding and LM head: on world.device with it
         source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device)
     trainer = Trainer(recipe, frozen, source, run_dir, world, **({"verified_tag": verified} if world.is_main else {}))
     summary = trainer.train()
@@ -114,6 +119,9 @@ def train(recipe) -> int:
         first, last = summary["first"], summary["last"]
         print(f"trained {summary['steps']} steps: loss {first['loss']:.4f} -> {last['loss']:.4f}, "
               f"tau_hat {first['tau_hat']:.3f} -> {last['tau_hat']:.3f}; run dir {run_dir}")
+        if summary.get("expert_load"):
+            print("drafter expert load (largest / smallest share x experts; 1 = even): " + ", ".join(
+                f"{layer} {v['max']:.2f}/{v['min']:.2f}" for layer, v in summary["expert_load"].items()))
         if "feature_cache/hits" in summary.get("feature_cache", {}):
             c = summary["feature_cache"]
             print(f"feature cache {recipe.train.feature_cache_dir}: {c['feature_cache/hits']:.0f} disk hits, "
@@ -121,6 +129,14 @@ def train(recipe) -> int:
                   f"{c['feature_cache/misses']:.0f} misses ({c['feature_cache/corrupt']:.0f} corrupt), "
                   f"{c['feature_cache/bytes_written'] / 2**20:.1f} MiB written, {c['target_feature_s']:.1f} s on target features")
     return 0
+
+
+def colocated_target(recipe, device):
+    from dstrain.targets import load_target
+
+    target = load_target(recipe.target, seed=recipe.run.seed)
+    target.model.to(device)  # built on the CPU (same weights for a seed on any device), then moved
+    return target
 
 
 def preflight(recipe):

@@ -3,6 +3,7 @@ the size bound, concurrent writers, and the wiring into a training run."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from conftest import ROOT, run_tool
 from dstrain.data.loader import Sample
 from dstrain.recipe import load_recipe
 from dstrain.targets import load_target
-from dstrain.train.feature_store import FeatureStore, namespace_of, open_store, sample_key, target_fingerprint
+from dstrain.train.feature_store import FeatureStore, LazyTarget, namespace_of, open_store, sample_key, target_fingerprint
 from dstrain.train.step import target_features
 
 
@@ -43,7 +44,7 @@ def tiny():
 def store_for(root, recipe, target, gb=1.0):
     recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"feature_cache_dir": str(root),
                                                                                  "feature_cache_gb": gb})})
-    return open_store(recipe, target, "cpu")
+    return open_store(recipe, target.capture_layers, "cpu")
 
 
 def test_cached_features_equal_the_targets_and_a_second_run_hits(tmp_path, tiny):
@@ -53,9 +54,10 @@ def test_cached_features_equal_the_targets_and_a_second_run_hits(tmp_path, tiny)
     cold = target_features(first, samples, store_for(tmp_path, recipe, target))
     assert first.sequences == 4
     warm_store = store_for(tmp_path, recipe, target)  # a new process's view of the same folder: a second run
-    second = CountingTarget(target)
+    loads = []
+    second = LazyTarget(lambda: loads.append(1) or target, "cpu")
     warm = target_features(second, samples, warm_store)
-    assert second.forwards == 0 and warm_store.stats["hits"] == 4 and warm_store.stats["misses"] == 0
+    assert not loads and warm_store.stats["hits"] == 4 and warm_store.stats["misses"] == 0  # the target never loaded
     for got in (cold, warm):
         assert torch.equal(got.captured, reference.captured) and torch.equal(got.final_hidden, reference.final_hidden)
     mixed = CountingTarget(target)  # a batch with one new sample runs the target on that one only
@@ -83,10 +85,13 @@ def test_fingerprint_of_a_checkpoint_folder_follows_its_weights(tmp_path, tiny):
     recipe = tiny[0]
     folder = write_checkpoint(tmp_path / "ckpt", recipe.target.hf_config, seed=0, shards=1)
     cfg = recipe.target.model_copy(update={"source": "path", "path": str(folder), "hf_config": None})
+    memo = tmp_path / "cache"
     before = target_fingerprint(cfg)
-    assert target_fingerprint(cfg) == before
+    assert target_fingerprint(cfg, memo_dir=memo) == before == target_fingerprint(cfg, memo_dir=memo)  # hashed, then remembered
+    copy = shutil.copytree(folder, tmp_path / "copy")  # the same weights elsewhere share the entries
+    assert target_fingerprint(cfg.model_copy(update={"path": str(copy)}), memo_dir=memo) == before
     write_checkpoint(folder, recipe.target.hf_config, seed=1, shards=1)  # same shapes and header, new weights
-    assert target_fingerprint(cfg) != before
+    assert target_fingerprint(cfg, memo_dir=memo) != before and target_fingerprint(cfg) != before
 
 
 def test_a_corrupt_or_torn_entry_is_counted_and_recomputed(tmp_path, tiny):
@@ -161,14 +166,16 @@ def test_a_training_run_reuses_the_cache_of_a_previous_run(tmp_path):
     args = ["dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={shards}", "train.steps=4", "train.warmup_steps=1", "train.log_every=2",
             "train.checkpoint_every=100", f"train.feature_cache_dir={tmp_path / 'cache'}"]
     summaries = []
-    for name in ("cold", "warm"):
-        out = run_tool(*args, f"run.output_dir={tmp_path}", f"run.name={name}")
-        assert "feature cache" in out.stdout
+    for name in ("uncached", "cold", "warm"):
+        out = run_tool(*args, f"run.output_dir={tmp_path}", f"run.name={name}",
+                       *(["train.feature_cache_dir=null"] if name == "uncached" else []))
+        assert ("feature cache" in out.stdout) == (name != "uncached")
         summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
-    cold, warm = (s["feature_cache"] for s in summaries)
+    cold, warm = (s["feature_cache"] for s in summaries[1:])
     assert cold["feature_cache/misses"] == 8 and cold["feature_cache/written"] == 8  # 4 steps x 2 sequences
     assert warm["feature_cache/hits"] == 8 and warm["feature_cache/misses"] == 0
-    assert summaries[0]["last"]["loss"] == summaries[1]["last"]["loss"]  # the same features, the same training
+    # the same features and the same frozen embedding / LM head (read from the checkpoint when the cache is on)
+    assert len({s["last"]["loss"] for s in summaries}) == 1, [s["last"]["loss"] for s in summaries]
 
 
 def test_the_cache_is_a_colocated_feature(tmp_path):

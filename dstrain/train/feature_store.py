@@ -4,7 +4,7 @@ The target is frozen, so a sample's captured layers and final states are a pure 
 capture layers, dtype, device kind, the sample's token ids). Training several drafters on one corpus (the family
 table) or many epochs over small data pays the target forward once per sample instead of once per visit.
 
-Layout: `<root>/<namespace>/<key[:2]>/<key>.feat`. The namespace hashes the target fingerprint, capture layers,
+Layout: `<root>/<namespace>/<key[:2]>/<key>.feat` (and `<root>/fingerprints/`, see target_fingerprint). The namespace hashes the target fingerprint, capture layers,
 dtype and device kind; the key hashes the token ids (not the sample's index: shards can be rebuilt or reordered).
 An entry is `MAGIC | u32 header length | JSON header (shapes, dtype, key, payload length, crc32) | payload`.
 
@@ -46,11 +46,13 @@ def sample_key(input_ids: torch.Tensor) -> str:
     return hashlib.sha256(input_ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:32]
 
 
-def target_fingerprint(target_cfg, seed: int = 0) -> str:
-    """What changes when the target's weights or config change, cheaply (no weight hashing).
+def target_fingerprint(target_cfg, seed: int = 0, memo_dir: Path | None = None) -> str:
+    """What changes when the target's weights or config change, with the library versions that compute its features.
 
-    A checkpoint folder: config.json's bytes, and per weight file its name, size, mtime and (safetensors) header.
-    A `source: random` target: its config, seed and the library versions that draw its weights.
+    A checkpoint folder: targets.fingerprint.weights_fingerprint (the hash its corpus is stamped with), remembered
+    in `memo_dir` under the files' names, sizes, mtimes and inodes, so a run re-hashes gigabytes only when they
+    changed (a copy of the folder elsewhere hashes once and then shares the entries). A `source: random` target:
+    its config, seed and dtype.
     """
     import transformers
 
@@ -60,19 +62,31 @@ def target_fingerprint(target_cfg, seed: int = 0) -> str:
         h.update(json.dumps({"hf_config": target_cfg.hf_config, "seed": seed}, sort_keys=True).encode())
         return h.hexdigest()[:16]
     from dstrain.targets import target_folder
+    from dstrain.targets.fingerprint import weights_fingerprint
 
-    folder = Path(target_folder(target_cfg))
-    h.update((folder / "config.json").read_bytes())
-    for f in sorted(folder.iterdir()):
-        if f.suffix not in (".safetensors", ".bin", ".gguf", ".pt"):
-            continue
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        if f.suffix == ".safetensors":
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                h.update(fh.read(min(n, 64 << 20)))
+    folder = Path(target_folder(target_cfg)).resolve()
+    h.update(_memoised(folder, memo_dir, weights_fingerprint).encode())
     return h.hexdigest()[:16]
+
+
+def _memoised(folder: Path, memo_dir: Path | None, fingerprint) -> str:
+    if memo_dir is None:
+        return fingerprint(folder)
+    stamp = hashlib.sha256(str(folder).encode())
+    for f in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
+        st = f.stat()
+        stamp.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}".encode())
+    memo = Path(memo_dir) / "fingerprints" / stamp.hexdigest()[:32]
+    try:
+        return memo.read_text().strip()
+    except FileNotFoundError:
+        pass
+    value = fingerprint(folder)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".tmp-{memo.name}-{os.getpid()}")
+    tmp.write_text(value)
+    os.replace(tmp, memo)
+    return value
 
 
 def namespace_of(fingerprint: str, capture_layers: list[int], dtype: torch.dtype, device_kind: str) -> str:
@@ -245,16 +259,31 @@ def _unlink(path: str) -> bool:
         return False
 
 
-def open_store(recipe, target, device_kind: str, memory=None) -> FeatureStore | None:
+class LazyTarget:
+    """The target, loaded at its first forward: a run whose features are all cached never holds its weights
+    (nor pays their load). `device`: where it will live (target_features reads it before any forward)."""
+
+    def __init__(self, load, device):
+        self._load, self.device, self.target = load, torch.device(device), None
+
+    def __call__(self, input_ids, attention_mask=None):
+        if self.target is None:  # mid-run: building a random target seeds the global RNG, which training owns
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                self.target = self._load()
+        return self.target(input_ids, attention_mask)
+
+
+def open_store(recipe, capture_layers: list[int], device_kind: str, memory=None) -> FeatureStore | None:
     """The run's store from `train.feature_cache_dir` / `train.feature_cache_gb` (None when off)."""
     t = recipe.train
     if not t.feature_cache_dir:
         return None
     from dstrain.errors import UserError
+    from dstrain.targets.hf import DTYPES
 
-    dtype = next(target.model.parameters()).dtype
-    ns = namespace_of(target_fingerprint(recipe.target, recipe.run.seed), target.capture_layers, dtype, device_kind)
     try:
+        fingerprint = target_fingerprint(recipe.target, recipe.run.seed, Path(t.feature_cache_dir))
+        ns = namespace_of(fingerprint, capture_layers, DTYPES[recipe.target.dtype], device_kind)
         return FeatureStore(t.feature_cache_dir, int(t.feature_cache_gb * 2**30), ns, memory)
     except OSError as exc:
         raise UserError(f"train.feature_cache_dir {t.feature_cache_dir}: cannot use it ({exc.strerror or exc}); "

@@ -60,6 +60,8 @@ def padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, lis
 
 def target_device(target) -> torch.device:
     """Where a colocated target's weights live (its inputs go there, its features come back from there)."""
+    if isinstance(getattr(target, "device", None), torch.device):  # feature_store.LazyTarget: known before it loads
+        return target.device
     model = getattr(target, "model", None)
     param = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
     return param.device if param is not None else torch.device("cpu")
