@@ -52,7 +52,7 @@ def test_contract_gradients_and_learning(name):
     d = recipe.drafter
     packed = pack_samples(samples, d.block_size, recipe.anchors.per_sequence, d.sliding_window, seed=0, epoch=0)
     feats = target_features(target, samples)
-    sums, tv, out = draft_losses(drafter, target.lm_head, packed, feats, recipe.loss, vocab_chunk=100)
+    sums, tv, out = draft_losses(drafter, target.lm_head, packed, feats, recipe.loss, rows_per_chunk=7)
     assert out.hidden.shape == (packed.num_blocks, d.block_size, target.hidden_size)
     assert (out.seq_factor is None) == (d.head == "none") and (out.confidence_logits is None) == (not d.confidence)
     loss = sums["total"] / sums["weight"] + out.aux_loss * d.ffn.aux_loss_coef
@@ -66,7 +66,7 @@ def test_contract_gradients_and_learning(name):
     first = {"tv": (sums["tv"] / sums["weight"]).item(), "total": objective(sums, out).item()}
     for _ in range(60):
         opt.zero_grad()
-        sums, _, out = draft_losses(drafter, target.lm_head, packed, feats, recipe.loss, vocab_chunk=100)
+        sums, _, out = draft_losses(drafter, target.lm_head, packed, feats, recipe.loss, rows_per_chunk=7)
         objective(sums, out).backward()
         opt.step()
     last = {"tv": (sums["tv"] / sums["weight"]).item(), "total": objective(sums, out).item()}

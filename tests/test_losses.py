@@ -1,11 +1,11 @@
-"""Chunked draft/target divergences equal a naive full-vocabulary implementation, values and gradients."""
+"""The fused row-chunked vocabulary loss equals a naive full-vocabulary implementation, values and gradients."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dstrain.data.anchors import IGNORE
-from dstrain.train.losses import chunked_divergence, drafter_loss_sums, position_weights
+from dstrain.train.losses import drafter_loss_sums, position_weights, vocab_loss
 
 
 def naive(h_d, h_t, weight, labels, a=None, w2=None):
@@ -28,31 +28,47 @@ def inputs(n=12, d=16, vocab=300, r=8, dtype=torch.float64, seed=0):
 
 
 @pytest.mark.parametrize("markov", [True, False])
-@pytest.mark.parametrize("chunk", [7, 64, 1000])
-def test_chunked_equals_naive_values_and_grads(markov, chunk):
+@pytest.mark.parametrize("rows", [1, 5, 1000])
+@pytest.mark.parametrize("shared_targets", [False, True])
+def test_fused_equals_naive_values_and_grads(markov, rows, shared_targets):
     h_d, h_t, weight, labels, a, w2 = inputs()
     extra = (a, w2) if markov else (None, None)
-    ce, tv = chunked_divergence(h_d, h_t, weight, labels, *extra, chunk=chunk)
-    ce_ref, tv_ref = naive(h_d, h_t, weight, labels, *extra)
-    torch.testing.assert_close(ce, ce_ref, atol=1e-10, rtol=0)
-    torch.testing.assert_close(tv, tv_ref, atol=1e-10, rtol=0)
-    g1, g2 = torch.randn(len(ce), dtype=ce.dtype), torch.randn(len(ce), dtype=ce.dtype)
+    g = torch.Generator().manual_seed(1)
+    c_ce, c_tv = torch.rand(len(labels), generator=g, dtype=h_d.dtype), torch.rand(len(labels), generator=g, dtype=h_d.dtype)
+    # overlapping blocks read the same target rows and Markov factors: index smaller tables, with repeats
+    index = torch.tensor([0, 1, 2, 1, 2, 3, 2, 3, 4, 5, 5, 0]) if shared_targets else None
+    table = h_t[:6] if shared_targets else h_t
+    if markov and shared_targets:
+        extra = (a[:6].detach().requires_grad_(), w2)
+        a = extra[0]
+    total, ce, tv = vocab_loss(h_d, table, weight, labels, c_ce, c_tv, *extra, target_index=index, markov_index=index,
+                               rows_per_chunk=rows)
+    ref_extra = (extra[0][index], w2) if markov and shared_targets else extra
+    ce_ref, tv_ref = naive(h_d, table[index] if shared_targets else h_t, weight, labels, *ref_extra)
+    torch.testing.assert_close(ce, ce_ref.detach(), atol=1e-10, rtol=0)
+    torch.testing.assert_close(tv, tv_ref.detach(), atol=1e-10, rtol=0)
+    total_ref = (c_ce * ce_ref).sum() + (c_tv * tv_ref).sum()
+    torch.testing.assert_close(total, total_ref.detach(), atol=1e-10, rtol=0)
     params = [h_d] + ([a, w2] if markov else [])
-    got = torch.autograd.grad((ce * g1 + tv * g2).sum(), params)
-    want = torch.autograd.grad((ce_ref * g1 + tv_ref * g2).sum(), params)
+    got = torch.autograd.grad(3.0 * total, params)  # the upstream gradient scales what forward stored
+    want = torch.autograd.grad(3.0 * total_ref, params)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, atol=1e-9, rtol=0)
 
 
-def test_fp32_and_frozen_inputs_get_no_grad():
+def test_fp32_frozen_inputs_and_no_grad():
     h_d, h_t, weight, labels, a, w2 = inputs(dtype=torch.float32)
     weight.requires_grad_()
-    ce, tv = chunked_divergence(h_d, h_t, weight, labels, a, w2, chunk=50)
+    ones = torch.ones(len(labels))
+    total, ce, tv = vocab_loss(h_d, h_t, weight, labels, ones, ones, a, w2, rows_per_chunk=5)
     ce_ref, tv_ref = naive(h_d, h_t, weight.detach(), labels, a, w2)
-    torch.testing.assert_close(tv, tv_ref, atol=1e-5, rtol=0)
-    (ce.sum() + tv.sum()).backward()
+    torch.testing.assert_close(tv, tv_ref.detach(), atol=1e-5, rtol=0)
+    total.backward()
     assert weight.grad is None and h_d.grad is not None and w2.grad is not None
-    assert torch.all(tv >= 0) and torch.all(tv <= 2 + 1e-6)
+    assert torch.all(tv >= 0) and torch.all(tv <= 2 + 1e-6) and not ce.requires_grad and not tv.requires_grad
+    with torch.no_grad():
+        again = vocab_loss(h_d, h_t, weight, labels, ones, ones, a, w2, rows_per_chunk=5)
+    torch.testing.assert_close(again[0], total.detach())
 
 
 def test_loss_sums_weights_and_detached_soft_label():

@@ -1,19 +1,24 @@
-"""Draft-vs-target divergences over the vocabulary, in chunks (paper §3.3).
+"""Draft-vs-target losses over the vocabulary, fused with their gradient (paper §3.3).
 
 For each supervised position the draft distribution p_d = softmax(h_d·Wᵀ + a·W₂) (a = W₁[x_{k−1}], the
-Markov bias; absent for drafters without one) and the target distribution p_t = softmax(h_t·Wᵀ) come from
-a custom autograd function. When positions × V is large it never materialises them: two passes over
-vocabulary chunks (log-normalisers, then ‖p_d − p_t‖₁ and Σ p_d·sign(p_d − p_t)) and each chunk
-recomputed in backward, so peak memory is O(N × chunk). When N × V fits a small budget, one chunk: the
-logits are computed once and p_d and the sign kept for backward (3 vocabulary matmuls instead of 7). Gradient of the L1 term with respect to the draft
-logits: ∂/∂U_v Σ|p_d − p_t| = p_d,v (s_v − Σ_u p_d,u s_u), s = sign(p_d − p_t). Probabilities are exact
-softmaxes (computed in fp32), which rejection sampling relies on.
+Markov bias; absent for drafters without one) and the target distribution p_t = softmax(h_t·Wᵀ). The loss
+Σ_n c_ce,n·CE_n + c_tv,n·‖p_d,n − p_t,n‖₁ is computed in chunks of *rows* over the full vocabulary, and each
+chunk's gradient is taken while its logits are at hand (as fused linear-cross-entropy kernels do): the per-row
+coefficients are known in forward, the gradient is linear in them, and backward only scales what forward
+stored by the scalar upstream gradient. So each supervised position costs the three unavoidable d×V GEMMs
+(draft logits, target logits, the logits' backward into h_d) plus the Markov head's r×V ones, one pass of
+elementwise work per chunk, and no [N × V] tensor lives beyond one chunk in forward or backward.
+Target logits are computed once per distinct target row in a chunk (overlapping blocks share rows).
+
+Gradient of the L1 term with respect to the draft logits: ∂/∂U_v Σ|p_d − p_t| = p_d,v (s_v − Σ_u p_d,u s_u),
+s = sign(p_d − p_t). Probabilities are exact softmaxes (computed in fp32), which rejection sampling relies on.
 
 bf16 on CUDA: the vocabulary GEMMs take the bf16 operands as they are (tensor cores, fp32 accumulation and
 fp32 output: products of bf16 values are exact in fp32, so the logits equal those of upcast operands, without
 fp32 copies of the LM head); the backward GEMMs take the fp32 logit gradient rounded to bf16, as mixed-precision
-training does. Everything after the GEMMs (log-normalisers, softmaxes, the L1 distance) stays fp32. Elsewhere
-(CPU, fp32, fp64) the operands are upcast to at least fp32, as before.
+training does. Everything after the GEMMs stays fp32. Elsewhere (CPU, fp32, fp64) the operands are upcast to at
+least fp32 (the CPU has bf16 GEMMs, but torch has no fp32-output kernel for them there: logits rounded to bf16
+would not equal the reference's).
 """
 
 from __future__ import annotations
@@ -37,23 +42,18 @@ def _lowp_gemms(*tensors) -> bool:
             and all(t.dtype == real[0].dtype for t in real))
 
 
-def _gemm(x: torch.Tensor, y: torch.Tensor, lowp: bool) -> torch.Tensor:
-    """x @ y in at least fp32: one 16-bit GEMM with fp32 output when `lowp`, else on upcast operands."""
+def _gemm(x: torch.Tensor, y: torch.Tensor, lowp: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ y in at least fp32: one 16-bit GEMM with fp32 output when `lowp`, else on upcast operands (into `out`)."""
     if lowp:
         try:
-            return torch.mm(x, y, out_dtype=torch.float32)
+            return torch.mm(x, y, out_dtype=torch.float32)  # a fresh tensor: CUDA's caching allocator makes it cheap
         except (TypeError, RuntimeError, NotImplementedError):  # no such kernel in this torch: upcast from now on
             _MM_OUT_FP32["ok"] = False
     dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-    return x.to(dtype) @ y.to(dtype)
-
-
-def _chunk_logits(h_d, a, w2, h_t, weight, lo, hi, lowp=False):
-    w = weight[lo:hi]
-    u = _gemm(h_d, w.T, lowp)
-    if a is not None:
-        u = u + _gemm(a, w2[:, lo:hi], lowp)
-    return u, _gemm(h_t, w.T, lowp)
+    if out is not None and out.dtype == dtype:
+        return torch.mm(x.to(dtype), y.to(dtype), out=out)
+    z = x.to(dtype) @ y.to(dtype)
+    return z if out is None else out.copy_(z)
 
 
 def _upcast(*tensors):
@@ -62,102 +62,121 @@ def _upcast(*tensors):
     return [None if t is None else t.to(dtype) for t in tensors]
 
 
-class _ChunkedDivergence(torch.autograd.Function):
+def _chunk_rows(n: int, vocab: int, budget_mb: float) -> int:
+    """Rows per chunk: ~3 live [rows x V] fp32 tensors (draft logits, target logits, their difference) in the budget."""
+    return max(1, min(n, int(budget_mb * 2**20 // (3 * 4 * vocab))))
+
+
+def _distinct(index: torch.Tensor):
+    """(distinct rows, inverse) when sharing saves at least a tenth of the rows, else (index, None)."""
+    rows, inverse = torch.unique(index, return_inverse=True)
+    return (rows, inverse) if len(rows) <= 0.9 * len(index) else (index, None)
+
+
+class _FusedVocabLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_draft, markov_a, markov_w2, h_target, lm_weight, labels, chunk):
-        h_d, h_t, a = _upcast(h_draft, h_target, markov_a)
-        lowp = _lowp_gemms(h_draft, h_target, markov_a, markov_w2, lm_weight)
-        g_d, g_t, g_a = (h_draft, h_target, markov_a) if lowp else (h_d, h_t, a)  # GEMM operands
-        n, vocab = h_d.shape[0], lm_weight.shape[0]
-        ctx.kept = None
-        if chunk >= vocab:  # one chunk: compute the logits once and keep what backward needs (N x V, fits the budget)
-            u, t = _chunk_logits(g_d, g_a, markov_w2, g_t, lm_weight, 0, vocab, lowp)
-            # fused kernels and in-place passes: this path is memory-bound on CPU once the matmuls are done
-            lse_d, lse_t = torch.logsumexp(u, dim=-1), torch.logsumexp(t, dim=-1)
+    def forward(ctx, h_draft, markov_a, markov_w2, markov_index, target_hidden, target_index, lm_weight, labels, coef_ce,
+                coef_tv, rows):
+        lowp = _lowp_gemms(h_draft, target_hidden, markov_a, markov_w2, lm_weight)
+        if lowp:  # GEMM operands as they are; per-row math in fp32
+            g_d, g_t, g_a, w, w2 = h_draft, target_hidden, markov_a, lm_weight, markov_w2
+            dtype = torch.float32
+        else:  # upcast once per call, not once per chunk
+            g_d, g_t, g_a, w, w2 = _upcast(h_draft, target_hidden, markov_a, lm_weight, markov_w2)
+            dtype = g_d.dtype
+        n, dev = h_draft.shape[0], h_draft.device
+        want = ctx.needs_input_grad[:3]
+        grad_h = torch.empty(n, h_draft.shape[1], device=dev, dtype=dtype) if want[0] else None
+        grad_a = torch.zeros(markov_a.shape, device=dev, dtype=dtype) if want[1] else None
+        grad_w2 = None
+        ce = torch.zeros(n, device=dev, dtype=dtype)
+        tv = torch.zeros_like(ce)
+        c_ce, c_tv = coef_ce.to(dtype), coef_tv.to(dtype)
+        valid = labels != IGNORE
+        # three chunk buffers reused by every chunk (fresh multi-MB tensors page-fault on the CPU each time)
+        u_buf, t_buf, d_buf = (torch.empty(min(rows, n), w.shape[0], device=dev, dtype=dtype) for _ in range(3))
+        for lo in range(0, n, rows):
+            hi = min(lo + rows, n)
+            m = hi - lo
+            u = _gemm(g_d[lo:hi], w.T, lowp, out=u_buf[:m])  # draft logits [rows, V]
+            if g_a is not None:  # the Markov bias once per distinct previous token of the chunk
+                a_rows, a_inv = _distinct(markov_index[lo:hi])
+                if a_inv is None:
+                    u += _gemm(g_a[a_rows], w2, lowp, out=t_buf[:m])
+                else:
+                    bias = _gemm(g_a[a_rows], w2, lowp, out=t_buf[: len(a_rows)])
+                    u += torch.index_select(bias, 0, a_inv, out=d_buf[:m])
+            lab = labels[lo:hi].clamp(min=0)
+            u_label = u.gather(1, lab[:, None]).squeeze(1)
+            lse_d = torch.logsumexp(u, dim=1)
             p_d = u.sub_(lse_d[:, None]).exp_()
-            diff = t.sub_(lse_t[:, None]).exp_().neg_().add_(p_d)  # p_d - p_t, in t's storage
-            tv = torch.linalg.vector_norm(diff, 1, dim=-1)
+            # target logits once per distinct row: overlapping blocks of a sequence share rows
+            t_rows, t_inv = _distinct(target_index[lo:hi])
+            t = _gemm(g_t[t_rows], w.T, lowp, out=t_buf[: len(t_rows)])
+            p_t = t.sub_(torch.logsumexp(t, dim=1)[:, None]).exp_()
+            diff = p_t if t_inv is None else torch.index_select(p_t, 0, t_inv, out=d_buf[:m])
+            diff = diff.neg_().add_(p_d)  # p_d - p_t
+            tv[lo:hi] = torch.linalg.vector_norm(diff, 1, dim=1)
+            ce[lo:hi] = torch.where(valid[lo:hi], lse_d - u_label, torch.zeros_like(lse_d))
+            if not any(want):
+                continue
             sign = diff.sign_()
             signed = torch.bmm(p_d[:, None, :], sign[:, :, None]).view(-1)
-            ctx.kept = (p_d, sign.to(torch.int8))
-        else:
-            lse_d = torch.full((n,), -math.inf, device=h_d.device, dtype=h_d.dtype)
-            lse_t = torch.full_like(lse_d, -math.inf)
-            for lo in range(0, vocab, chunk):
-                u, t = _chunk_logits(g_d, g_a, markov_w2, g_t, lm_weight, lo, lo + chunk, lowp)
-                lse_d = torch.logaddexp(lse_d, torch.logsumexp(u, dim=-1))
-                lse_t = torch.logaddexp(lse_t, torch.logsumexp(t, dim=-1))
-            tv, signed = torch.zeros_like(lse_d), torch.zeros_like(lse_d)
-            for lo in range(0, vocab, chunk):
-                u, t = _chunk_logits(g_d, g_a, markov_w2, g_t, lm_weight, lo, lo + chunk, lowp)
-                p_d, p_t = torch.exp(u - lse_d[:, None]), torch.exp(t - lse_t[:, None])
-                tv += (p_d - p_t).abs().sum(-1)
-                signed += (p_d * torch.sign(p_d - p_t)).sum(-1)
-        valid = labels != IGNORE
-        safe = labels.clamp(min=0)
-        u_label = (h_d * lm_weight[safe].to(h_d.dtype)).sum(-1)
-        if a is not None:
-            u_label = u_label + (a * markov_w2[:, safe].to(h_d.dtype).T).sum(-1)
-        ce = torch.where(valid, lse_d - u_label, torch.zeros_like(lse_d))
-        ctx.save_for_backward(h_draft, markov_a, markov_w2, h_target, lm_weight, labels, lse_d, lse_t, signed)
-        ctx.chunk = chunk
-        return ce, tv
+            ce_c, tv_c = torch.where(valid[lo:hi], c_ce[lo:hi], torch.zeros_like(lse_d)), c_tv[lo:hi]
+            # d/dU of c_ce·CE + c_tv·TV = p_d ⊙ (c_ce + c_tv·(s − Σ p_d s)) − c_ce·onehot(label), in sign's storage
+            g_u = sign.mul_(tv_c[:, None]).add_((ce_c - tv_c * signed)[:, None]).mul_(p_d)
+            g_u[torch.arange(m, device=dev), lab] -= ce_c
+            g_op = g_u.to(lm_weight.dtype) if lowp else g_u
+            if grad_h is not None:
+                grad_h[lo:hi] = _gemm(g_op, w, lowp)
+            if want[1] or want[2]:  # Markov: rows of one previous token share one gradient row (p_d's buffer is free)
+                if a_inv is not None:
+                    g_op = u_buf[: len(a_rows)].zero_().index_add_(0, a_inv, g_u)
+                    g_op = g_op.to(lm_weight.dtype) if lowp else g_op
+                if want[1]:
+                    grad_a.index_add_(0, a_rows, _gemm(g_op, w2.T, lowp))
+                if want[2]:
+                    part = _gemm(g_a[a_rows].T, g_op, lowp)
+                    grad_w2 = part if grad_w2 is None else grad_w2.add_(part)
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_h, grad_a, grad_w2)))
+        ctx.like = [t.dtype if t is not None else None for t in (h_draft, markov_a, markov_w2)]
+        ctx.mark_non_differentiable(ce, tv)
+        total = (c_ce * ce).sum() + (c_tv * tv).sum()
+        return total, ce, tv
 
     @staticmethod
-    def backward(ctx, g_ce, g_tv):
-        h_draft, markov_a, markov_w2, h_target, lm_weight, labels, lse_d, lse_t, signed = ctx.saved_tensors
-        h_d, h_t, a = _upcast(h_draft, h_target, markov_a)
-        lowp = _lowp_gemms(h_draft, h_target, markov_a, markov_w2, lm_weight)
-        g_d, g_t, g_a = (h_draft, h_target, markov_a) if lowp else (h_d, h_t, a)  # GEMM operands
-        valid = labels != IGNORE
-        g_ce = torch.where(valid, g_ce, torch.zeros_like(g_ce)) if g_ce is not None else torch.zeros_like(lse_d)
-        g_tv = g_tv if g_tv is not None else torch.zeros_like(lse_d)
-        grad_h = torch.zeros_like(h_d)
-        grad_a = torch.zeros_like(a) if a is not None and ctx.needs_input_grad[1] else None
-        grad_w2 = torch.zeros_like(markov_w2, dtype=h_d.dtype) if a is not None and ctx.needs_input_grad[2] else None
-        rows = torch.arange(len(labels), device=labels.device)
-        for lo in range(0, lm_weight.shape[0], ctx.chunk):
-            hi = min(lo + ctx.chunk, lm_weight.shape[0])
-            if ctx.kept is not None:
-                p_d, sign = ctx.kept[0], ctx.kept[1]
-                # p_d ⊙ (g_ce + g_tv·(s − Σ p_d s)) built in one buffer
-                grad_u = sign.to(h_d.dtype).mul_(g_tv[:, None]).add_((g_ce - g_tv * signed)[:, None]).mul_(p_d)
-            else:
-                u, t = _chunk_logits(g_d, g_a, markov_w2, g_t, lm_weight, lo, hi, lowp)
-                p_d = torch.exp(u - lse_d[:, None])
-                sign = torch.sign(p_d - torch.exp(t - lse_t[:, None]))
-                grad_u = g_ce[:, None] * p_d + g_tv[:, None] * p_d * (sign - signed[:, None])
-            here = valid & (labels >= lo) & (labels < hi)
-            grad_u[rows[here], labels[here] - lo] -= g_ce[here]
-            g_u = grad_u.to(lm_weight.dtype) if lowp else grad_u
-            grad_h += _gemm(g_u, lm_weight[lo:hi], lowp)
-            if grad_a is not None:
-                grad_a += _gemm(g_u, markov_w2[:, lo:hi].T, lowp)
-            if grad_w2 is not None:
-                grad_w2[:, lo:hi] = _gemm(g_a.T, g_u, lowp)
-        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return (cast(grad_h, h_draft) if ctx.needs_input_grad[0] else None, cast(grad_a, markov_a) if markov_a is not None else None,
-                cast(grad_w2, markov_w2) if markov_w2 is not None else None, None, None, None, None)
+    def backward(ctx, g_total, _g_ce, _g_tv):
+        out = [None] * 11
+        for i, (grad, like) in enumerate(zip(ctx.saved_tensors, ctx.like)):
+            if ctx.needs_input_grad[i] and g_total is not None:
+                out[i] = grad.mul_(g_total).to(like)  # forward's gradient is ours alone: scale it in place
+        return tuple(out)
 
 
-def chunked_divergence(h_draft: torch.Tensor, h_target: torch.Tensor, lm_weight: torch.Tensor, labels: torch.Tensor,
-                       markov_a: torch.Tensor | None = None, markov_w2: torch.Tensor | None = None, chunk: int | None = None,
-                       budget_mb: float | None = None):
-    """Per-position CE (0 where labels == IGNORE) and ‖p_d − p_t‖₁, both [N].
+def vocab_loss(h_draft: torch.Tensor, target_hidden: torch.Tensor, lm_weight: torch.Tensor, labels: torch.Tensor,
+               coef_ce: torch.Tensor, coef_tv: torch.Tensor, markov_a: torch.Tensor | None = None,
+               markov_w2: torch.Tensor | None = None, target_index: torch.Tensor | None = None,
+               markov_index: torch.Tensor | None = None, rows_per_chunk: int | None = None, budget_mb: float | None = None):
+    """(Σ c_ce·CE + c_tv·‖p_d − p_t‖₁, CE [N], TV [N]): the sum differentiable with respect to h_draft, markov_a and
+    markov_w2; CE (0 where labels == IGNORE) and TV per position, detached (metrics, the confidence label).
 
-    chunk=None picks the vocabulary chunk from a memory budget: when N × V fits, one chunk with the
-    logits computed once (no recompute in backward); otherwise 8192-wide chunks recomputed in backward,
-    so peak memory stays O(N × chunk) however large N × V gets. budget_mb=None: 256 MB on the CPU; on a GPU a
-    quarter of the memory it has free (GPUs have the room, and recomputing costs 7 vocabulary GEMMs instead of 3).
+    Tables and indices: row n's target state is target_hidden[target_index[n]] and its Markov factor
+    markov_a[markov_index[n]] (default: the identity), so rows that blocks share are multiplied by the LM head
+    (or W₂) once. rows_per_chunk=None picks it from a memory budget: budget_mb=None is 96 MB on the CPU (the
+    chunk's elementwise passes then run in the last-level cache), on a GPU an eighth of the memory it has free.
     """
     if (markov_a is None) != (markov_w2 is None):
         raise ValueError("markov_a and markov_w2 go together")
-    if chunk is None:
+    n, vocab = h_draft.shape[0], lm_weight.shape[0]
+    identity = torch.arange(n, device=h_draft.device)
+    target_index = identity if target_index is None else target_index
+    markov_index = identity if markov_index is None else markov_index
+    if rows_per_chunk is None:
         if budget_mb is None:
-            budget_mb = _free_cuda_mb(h_draft.device) / 4 if h_draft.is_cuda else 256.0
-        n, vocab = h_draft.shape[0], lm_weight.shape[0]
-        chunk = vocab if n * vocab * 4 * 4 <= budget_mb * 2**20 else 8192  # ~4 live N x V fp32 tensors in the one-chunk path
-    return _ChunkedDivergence.apply(h_draft, markov_a, markov_w2, h_target, lm_weight.detach(), labels, chunk)
+            budget_mb = _free_cuda_mb(h_draft.device) / 8 if h_draft.is_cuda else 96.0
+        rows_per_chunk = _chunk_rows(n, vocab, budget_mb)
+    return _FusedVocabLoss.apply(h_draft, markov_a, markov_w2, markov_index, target_hidden.detach(), target_index,
+                                 lm_weight.detach(), labels, coef_ce.detach(), coef_tv.detach(), max(1, rows_per_chunk))
 
 
 def _free_cuda_mb(device) -> float:
@@ -172,15 +191,19 @@ def position_weights(gamma: int, gamma_decay: float, device=None) -> torch.Tenso
 
 
 def drafter_loss_sums(ce: torch.Tensor, tv: torch.Tensor, conf_logits: torch.Tensor | None, valid: torch.Tensor,
-                      gamma_decay: float, alpha_ce: float, alpha_tv: float, alpha_conf: float) -> dict[str, torch.Tensor]:
+                      gamma_decay: float, alpha_ce: float, alpha_tv: float, alpha_conf: float,
+                      vocab_total: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Position-weighted *sums* over [N, γ] blocks, and the weight total to divide them by.
+
+    vocab_total: α_ce·Σ w·CE + α_tv·Σ w·TV as vocab_loss computed it (carrying the gradient; ce and tv are then
+    detached values); None: built here from ce and tv.
 
     Sums (not means) so the trainer can divide by the weight total of the whole accumulated batch:
     every supervised token then counts the same whatever micro-batch it landed in.
     """
     w = position_weights(ce.shape[1], gamma_decay, ce.device)[None, :] * valid.float()
     out = {"ce": (w * ce).sum(), "tv": (w * tv).sum(), "weight": w.sum()}
-    total = alpha_ce * out["ce"] + alpha_tv * out["tv"]
+    total = alpha_ce * out["ce"] + alpha_tv * out["tv"] if vocab_total is None else vocab_total
     if conf_logits is not None:
         soft_label = (1.0 - 0.5 * tv).detach().clamp(0.0, 1.0)
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft_label, reduction="none")

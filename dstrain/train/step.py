@@ -14,7 +14,8 @@ import torch
 from dstrain.data.anchors import anchor_generator, sample_anchors
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks, pack_blocks
-from dstrain.train.losses import chunked_divergence, drafter_loss_sums
+from dstrain.models.heads import MarkovHead
+from dstrain.train.losses import drafter_loss_sums, position_weights, vocab_loss
 
 
 @dataclass
@@ -118,15 +119,24 @@ def pack_step(recipe, samples: list[Sample], step: int) -> PackedBlocks:
 
 
 def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats: TargetFeatures, loss_cfg,
-                 vocab_chunk: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
+                 rows_per_chunk: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
     """Position-weighted loss sums (see losses.drafter_loss_sums), the per-position TV [N, γ], and the DraftOutput."""
     out = drafter(packed, feats.captured[packed.ctx_rows])
     n, gamma, d = out.hidden.shape
-    h_t = feats.final_hidden[packed.final_rows].reshape(-1, d)
-    factor = out.seq_factor.reshape(n * gamma, -1) if out.seq_factor is not None else None
-    ce, tv = chunked_divergence(out.hidden.reshape(-1, d), h_t, lm_head.weight, packed.labels.reshape(-1), factor,
-                                drafter.seq_w2 if factor is not None else None, chunk=vocab_chunk)
+    factor = markov_index = None
+    # Markov: W₁ rows once per distinct previous token (overlapping blocks share positions, text repeats tokens)
+    if isinstance(getattr(drafter, "seq_head", None), MarkovHead):
+        tokens, markov_index = torch.unique(packed.prev_tokens.reshape(-1), return_inverse=True)
+        factor = drafter.seq_head.w1(tokens)
+    elif out.seq_factor is not None:
+        factor = out.seq_factor.reshape(n * gamma, -1)
+    w = (position_weights(gamma, loss_cfg.gamma_decay, out.hidden.device)[None, :] * packed.valid).reshape(-1)
+    # the target's final states are read by row (final_rows), so rows shared by overlapping blocks are projected once
+    total, ce, tv = vocab_loss(out.hidden.reshape(-1, d), feats.final_hidden, lm_head.weight, packed.labels.reshape(-1),
+                               loss_cfg.alpha_ce * w, loss_cfg.alpha_tv * w, factor, drafter.seq_w2 if factor is not None else None,
+                               target_index=packed.final_rows.reshape(-1), markov_index=markov_index,
+                               rows_per_chunk=rows_per_chunk)
     ce, tv = ce.view(n, gamma), tv.view(n, gamma)
     sums = drafter_loss_sums(ce, tv, out.confidence_logits, packed.valid, loss_cfg.gamma_decay,
-                             loss_cfg.alpha_ce, loss_cfg.alpha_tv, loss_cfg.alpha_conf)
-    return sums, tv.detach(), out
+                             loss_cfg.alpha_ce, loss_cfg.alpha_tv, loss_cfg.alpha_conf, vocab_total=total)
+    return sums, tv, out
