@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from dstrain.data.anchors import IGNORE, anchor_generator, block_labels, candidate_anchors, sample_anchors
 from dstrain.data.packing import pack_blocks
-from dstrain.models.attention import block_attention
+from dstrain.models.attention import KeyGroups, block_attention
 
 
 def test_candidates_labels_and_sampler():
@@ -70,23 +70,27 @@ def dense_reference(q, k_blk, v_blk, k_all, v_all, p, window, lengths):
     return out[0].transpose(0, 1).reshape(n, g, h, d)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("window", [None, 8, 1])
 @pytest.mark.parametrize("lengths", [[5, 300, 37], [64]])
-def test_packed_attention_equals_dense_reference(window, lengths):
+@pytest.mark.parametrize("per_seq", [9, 60])
+def test_packed_attention_equals_dense_reference(window, lengths, grouped, per_seq):
     torch.manual_seed(0)
-    ids, masks, anchors = make_batch(lengths, per_seq=9)
+    ids, masks, anchors = make_batch(lengths, per_seq=per_seq)
     gamma, h, hkv, d = 4, 4, 2, 8
     p = pack_blocks(ids, masks, anchors, gamma, mask_token_id=1, window=window)
+    keys = KeyGroups.build(p.key_index, gamma) if grouped else p.key_index
+    assert keys is not None
     total = sum(lengths)
     k_all, v_all = torch.randn(total, hkv, d, dtype=torch.float64), torch.randn(total, hkv, d, dtype=torch.float64)
     q = torch.randn(p.num_blocks, gamma, h, d, dtype=torch.float64, requires_grad=True)
     k_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64)
     v_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64)
-    packed = block_attention(q, k_blk, v_blk, k_all[p.ctx_rows], v_all[p.ctx_rows], p.key_index)
+    packed = block_attention(q, k_blk, v_blk, k_all[p.ctx_rows], v_all[p.ctx_rows], keys)
     ref = dense_reference(q, k_blk, v_blk, k_all, v_all, p, window, lengths)
     torch.testing.assert_close(packed, ref, atol=1e-10, rtol=0)
     # fp32 within 1e-5, and gradients flow through the gathered path
-    packed32 = block_attention(q.float(), k_blk.float(), v_blk.float(), k_all[p.ctx_rows].float(), v_all[p.ctx_rows].float(), p.key_index)
+    packed32 = block_attention(q.float(), k_blk.float(), v_blk.float(), k_all[p.ctx_rows].float(), v_all[p.ctx_rows].float(), keys)
     torch.testing.assert_close(packed32, ref.float(), atol=1e-5, rtol=0)
     packed.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
@@ -97,3 +101,16 @@ def test_cost_independent_of_context_length():
     long = pack_blocks(*make_batch([3200], per_seq=16)[0:3], gamma=5, mask_token_id=1, window=32)
     assert short.key_index.shape == long.key_index.shape == (short.num_blocks, 32)
     assert len(long.ctx_rows) <= long.num_blocks * 32
+
+
+def test_grouped_keys_share_the_context_without_a_window():
+    ids, masks, anchors = make_batch([2000], per_seq=64)
+    p = pack_blocks(ids, masks, anchors, gamma=5, mask_token_id=1, window=None)
+    groups = KeyGroups.build(p.key_index, 5)
+    copied = sum(b.key_index.numel() for b in groups.buckets)
+    per_block = int((p.key_index >= 0).sum())
+    assert copied < per_block / 4, (copied, per_block)  # each block copying up to T keys is what this removes
+    # a block whose keys are not one contiguous range of rows falls back to per-block gathering
+    scrambled = p.key_index.clone()
+    scrambled[-1, -1] = 0
+    assert KeyGroups.build(scrambled, 5) is None

@@ -1,20 +1,124 @@
-"""Block attention over token-level key indices (the packed path; no dense context mask).
+"""Block attention over token-level key indices (the packed path; no [queries × full context] mask).
 
-Each block's queries attend to (a) its context keys, gathered by index from the deduplicated
-context rows, and (b) all γ keys of its own block (bidirectional inside the block). Blocks never
-see each other. CPU training cannot use flex_attention (no backward on CPU in torch 2.13), so this
-is SDPA over gathered keys: memory N × (Wk + γ) × heads × head_dim.
+Each block's queries attend to (a) its context keys — the block's key_index row, which packing makes a
+contiguous range of the deduplicated context rows — and (b) all keys of its own block (bidirectional inside
+the block). Blocks never see each other. CPU training cannot use flex_attention (no backward on CPU in
+torch 2.13), so this is SDPA.
+
+Two layouts, equal up to summation order (tests/test_packing.py checks both against a dense mask):
+  per block   each block gathers its own copy of its context keys: memory N × (Wk + γ); fine for a short
+              window, quadratic-looking without one (every block copies up to T keys);
+  grouped     (KeyGroups) consecutive blocks whose key ranges overlap share one contiguous slice of the
+              context keys, computed once per row, and a per-group mask carries each block's own range and
+              its own block keys. Groups grow while their attention work stays within `slack` of what the
+              blocks need on their own, so without a window a sequence's blocks share its keys (DeepSpec's
+              layout, without its [all queries × all queries] block part), and with a window close anchors
+              share their overlapping windows. Groups are batched by key length (powers of two), so padding
+              costs at most 2×.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
+@dataclass
+class _Bucket:
+    blocks: torch.Tensor  # [B, G] block ids (padding repeats a real block; its outputs are dropped)
+    real: torch.Tensor  # [B, G] bool
+    key_index: torch.Tensor  # [B, K] rows of the context keys (clamped; the mask hides the padding)
+    mask_ctx: torch.Tensor  # [B, G, K] block slot g may see context key k
+
+
+@dataclass
+class KeyGroups:
+    buckets: list[_Bucket]
+    order: torch.Tensor  # [N] position in the concatenated bucket outputs of each block
+
+    @staticmethod
+    def build(key_index: torch.Tensor, slots: int, slack: float = 1.5, max_group: int = 64) -> "KeyGroups | None":
+        """Groups for key_index [N, Wk]; None when some block's keys are not one contiguous range of rows."""
+        if not len(key_index):
+            return None
+        device = key_index.device
+        ki = key_index.cpu()
+        valid = ki >= 0
+        count = valid.sum(1)
+        big = torch.iinfo(ki.dtype).max
+        lo = torch.where(valid, ki, torch.full_like(ki, big)).min(1).values if ki.shape[1] else torch.zeros(len(ki), dtype=ki.dtype)
+        hi = torch.where(valid, ki, torch.full_like(ki, -1)).max(1).values + 1 if ki.shape[1] else torch.zeros(len(ki), dtype=ki.dtype)
+        lo, hi = torch.where(count > 0, lo, 0), torch.where(count > 0, hi, 0)
+        if bool((hi - lo != count).any()):
+            return None
+        lo_l, hi_l, cnt_l = lo.tolist(), hi.tolist(), count.tolist()
+        groups, start = [], 0
+        g_lo, g_hi, need = (lo_l[0], hi_l[0], cnt_l[0] + slots) if lo_l else (0, 0, 0)
+        for b in range(1, len(lo_l)):  # greedy: extend the group while its work stays within slack of the blocks' own
+            if not cnt_l[b]:
+                n_lo, n_hi = g_lo, g_hi
+            elif g_hi == g_lo:
+                n_lo, n_hi = lo_l[b], hi_l[b]
+            else:
+                n_lo, n_hi = min(g_lo, lo_l[b]), max(g_hi, hi_l[b])
+            size, n_need = b - start + 1, need + cnt_l[b] + slots
+            if size <= max_group and size * (n_hi - n_lo + size * slots) <= slack * n_need:
+                g_lo, g_hi, need = n_lo, n_hi, n_need
+                continue
+            groups.append((start, b, g_lo, g_hi))
+            start, g_lo, g_hi, need = b, lo_l[b], hi_l[b], cnt_l[b] + slots
+        if lo_l:
+            groups.append((start, len(lo_l), g_lo, g_hi))
+        by_size: dict[int, list] = {}
+        for grp in groups:
+            width = max(grp[3] - grp[2], 1)
+            by_size.setdefault(1 << (width - 1).bit_length(), []).append(grp)
+        buckets, placed = [], []
+        for _, members in sorted(by_size.items()):
+            g_max = max(e - s for s, e, _, _ in members)
+            k_max = max(h - l for _, _, l, h in members)
+            blocks = torch.stack([torch.arange(s, s + g_max).clamp(max=e - 1) for s, e, _, _ in members])
+            real = torch.stack([torch.arange(g_max) < e - s for s, e, _, _ in members])
+            base = torch.tensor([l for _, _, l, _ in members])
+            rows = base[:, None] + torch.arange(k_max)[None, :]  # [B, K]
+            mask = (rows[:, None, :] >= lo[blocks][:, :, None]) & (rows[:, None, :] < hi[blocks][:, :, None])
+            buckets.append(_Bucket(blocks.to(device), real.to(device), rows.clamp(max=max(int(hi.max()) - 1, 0)).to(device),
+                                   mask.to(device)))
+            placed.append(blocks[real])
+        order = torch.empty(len(lo_l), dtype=torch.long)
+        order[torch.cat(placed)] = torch.arange(len(lo_l))
+        return KeyGroups(buckets, order.to(device))
+
+
+def _grouped(q, k_blk, v_blk, k_ctx, v_ctx, plan: KeyGroups, scale):
+    n, g, h, hd = q.shape
+    own = k_blk.shape[1]
+    outs = []
+    for bk in plan.buckets:
+        b, gm = bk.blocks.shape
+        qq = q[bk.blocks].reshape(b, gm * g, h, hd).transpose(1, 2)
+        if k_ctx.shape[0]:
+            kc, vc = k_ctx[bk.key_index], v_ctx[bk.key_index]  # [B, K, Hkv, hd]: one slice per group, not per block
+        else:
+            kc = vc = k_blk.new_zeros(b, 0, *k_blk.shape[2:])
+        keys = torch.cat([kc, k_blk[bk.blocks].reshape(b, gm * own, *k_blk.shape[2:])], 1).transpose(1, 2)
+        values = torch.cat([vc, v_blk[bk.blocks].reshape(b, gm * own, *v_blk.shape[2:])], 1).transpose(1, 2)
+        same = torch.eye(gm, dtype=torch.bool, device=q.device)[:, :, None].expand(gm, gm, own).reshape(gm, gm * own)
+        mask = torch.cat([bk.mask_ctx, same.expand(b, gm, gm * own)], 2)  # [B, G, K + G·own]
+        mask = mask[:, :, None, :].expand(b, gm, g, mask.shape[-1]).reshape(b, 1, gm * g, mask.shape[-1])
+        out = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=scale, enable_gqa=h != k_blk.shape[2])
+        outs.append(out.transpose(1, 2).reshape(b, gm, g, h, hd)[bk.real])
+    return torch.cat(outs)[plan.order]
+
+
 def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
-                    key_index: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """q [N, γ, H, hd]; k/v_blk [N, γ', Hkv, hd]; k/v_ctx [R, Hkv, hd]; key_index [N, Wk] (−1 = empty) → [N, γ, H, hd]."""
+                    key_index: "torch.Tensor | KeyGroups", scale: float | None = None) -> torch.Tensor:
+    """q [N, γ, H, hd]; k/v_blk [N, γ', Hkv, hd]; k/v_ctx [R, Hkv, hd]; key_index [N, Wk] (−1 = empty) or the
+    KeyGroups built from it → [N, γ, H, hd]."""
+    if isinstance(key_index, KeyGroups):
+        return _grouped(q, k_blk, v_blk, k_ctx, v_ctx, key_index, scale)
     n, own = k_blk.shape[:2]  # own block keys (γ; fewer while unrolling autoregressively)
     idx = key_index.clamp(min=0)
     keys = torch.cat([k_ctx[idx], k_blk], dim=1).transpose(1, 2)  # [N, Hkv, Wk+γ, hd]

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dstrain.data.packing import PackedBlocks
+from dstrain.models.attention import KeyGroups
 from dstrain.models.contract import DraftOutput, Proposal, TargetSpec
 from dstrain.models.heads import ConfidenceHead, MarkovHead, RNNHead
 from dstrain.models.hyper import HyperConnection, HyperHead
@@ -86,9 +87,12 @@ class BlockDrafter(nn.Module):
         aux = x.new_zeros((), dtype=torch.float32)
         if self.streams:
             x = x.unsqueeze(-2).expand(-1, -1, self.streams, -1).contiguous()
+        # blocks with overlapping key ranges share one slice of the context keys (no per-block copies)
+        keys = KeyGroups.build(packed.key_index, x.shape[1])
+        keys = packed.key_index if keys is None else keys
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.context_kv(ctx, packed.ctx_pos)
-            attend = lambda h: layer.attend(h, block_pos, k_ctx, v_ctx, packed.key_index)  # noqa: E731
+            attend = lambda h: layer.attend(h, block_pos, k_ctx, v_ctx, keys)  # noqa: E731
             if self.streams:
                 x, _ = self.hyper[2 * i](x, attend)
                 x, layer_aux = self.hyper[2 * i + 1](x, layer.feed_forward)
