@@ -121,7 +121,7 @@ def train(recipe) -> int:
               f"tau_hat {first['tau_hat']:.3f} -> {last['tau_hat']:.3f}; run dir {run_dir}")
         if summary.get("expert_load"):
             print("drafter expert load (largest / smallest share x experts; 1 = even): " + ", ".join(
-                f"{layer} {v['max']:.2f}/{v['min']:.2f}" for layer, v in summary["expert_load"].items()))
+                f"{layer} {v['max']:.2f}/{v['min'] or float('nan'):.2f}" for layer, v in summary["expert_load"].items()))
         if "feature_cache/hits" in summary.get("feature_cache", {}):
             c = summary["feature_cache"]
             print(f"feature cache {recipe.train.feature_cache_dir}: {c['feature_cache/hits']:.0f} disk hits, "

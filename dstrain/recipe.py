@@ -127,7 +127,11 @@ class FFNConfig(Section):
     top_k: int = Field(2, ge=1)
     shared_expert: bool = False
     balance: Literal["aux_loss", "bias_update"] = "aux_loss"
-    aux_loss_coef: float = Field(0.01, ge=0.0)
+    aux_loss_coef: float = Field(0.1, ge=0.0, description="balance=aux_loss: weight of the Switch balance loss. 0.01 let the "
+                                                         "demo drafter's routers collapse (one expert in every token's top 2, "
+                                                         "one never chosen); 0.1 kept every expert in use (tools/bench_moe_balance.py)")
+    bias_update_rate: float = Field(1e-3, gt=0.0, description="balance=bias_update: per-step move of an expert's routing bias "
+                                                              "(added to router logits, for the top-k choice only)")
 
     @model_validator(mode="after")
     def _check_topk(self) -> "FFNConfig":

@@ -43,23 +43,32 @@ class SwiGLU(nn.Module):
 
 class MoE(nn.Module):
     """Top-k routed experts (+ optional shared expert). Balance by an auxiliary loss (Switch-style
-    E·Σ f_e·P_e) or by DeepSeek's bias update (a non-trained routing bias nudged toward equal load)."""
+    E·Σ f_e·P_e, f_e detached) or by DeepSeek-V3's aux-loss-free bias update: a non-trained routing bias, added to
+    the router's logits only to choose the top-k (the gating weights stay the unbiased probabilities), moved by
+    `bias_rate` per optimizer step toward equal load."""
 
-    def __init__(self, d: int, inter: int, num_experts: int, top_k: int, shared: bool, balance: str):
+    def __init__(self, d: int, inter: int, num_experts: int, top_k: int, shared: bool, balance: str,
+                 bias_rate: float = 1e-3):
         super().__init__()
-        self.num_experts, self.top_k, self.balance = num_experts, top_k, balance
+        self.num_experts, self.top_k, self.balance, self.bias_rate = num_experts, top_k, balance, bias_rate
         self.router = nn.Linear(d, num_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.randn(num_experts, d, 2 * inter) * d**-0.5)
         self.w_down = nn.Parameter(torch.randn(num_experts, inter, d) * inter**-0.5)
         self.shared = SwiGLU(d, inter) if shared else None
         self.register_buffer("route_bias", torch.zeros(num_experts), persistent=True)
         self.last_load = torch.zeros(num_experts)
+        # slots routed per expert by every training forward since take_load(): a step's load over all its
+        # micro-batches (and, for the autoregressive drafters, all unrolled positions), not only the last forward's
+        self.step_counts = torch.zeros(num_experts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        probs = self.router(flat).float().softmax(-1)
-        choose = probs + self.route_bias if self.balance == "bias_update" else probs
+        logits = self.router(flat).float()
+        probs = logits.softmax(-1)
+        # the bias moves logits, not probabilities: a router trained confident saturates its softmax, where no
+        # bias bounded by a probability's scale can change the choice any more (measured: tools/bench_moe_balance.py)
+        choose = logits + self.route_bias if self.balance == "bias_update" else probs
         top = choose.topk(self.top_k, dim=-1).indices
         weights = probs.gather(-1, top)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
@@ -72,16 +81,25 @@ class MoE(nn.Module):
             out.index_add_(0, rows, (F.silu(gate) * up) @ self.w_down[e] * weights[rows, slot, None])
         if self.shared is not None:
             out = out + self.shared(flat)
-        load = torch.bincount(top.flatten(), minlength=self.num_experts).float() / max(top.numel(), 1)
+        counts = torch.bincount(top.flatten(), minlength=self.num_experts).float()
+        load = counts / max(top.numel(), 1)
         self.last_load = load.detach()
+        if self.training:
+            self.step_counts = self.step_counts.to(counts.device) + counts
         aux = self.num_experts * (load.detach() * probs.mean(0)).sum() if self.balance == "aux_loss" else probs.new_zeros(())
         return out.reshape(shape), aux
 
+    def take_load(self) -> torch.Tensor:
+        """Counts routed per expert since the last call (the step's), and start counting afresh."""
+        counts, self.step_counts = self.step_counts, torch.zeros_like(self.step_counts)
+        return counts
+
     @torch.no_grad()
-    def update_route_bias(self, rate: float = 1e-3) -> None:
-        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
+    def update_route_bias(self, load: torch.Tensor) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts, lower over-loaded ones.
+        `load`: the step's share per expert, the same on every data-parallel replica so their biases stay equal."""
         if self.balance == "bias_update":
-            self.route_bias += rate * torch.sign(self.last_load.mean() - self.last_load)
+            self.route_bias += self.bias_rate * torch.sign(load.mean() - load.to(self.route_bias.device))
 
 
 class BlockLayer(nn.Module):
@@ -142,5 +160,5 @@ def make_ffn(cfg, spec) -> nn.Module:
     f = cfg.ffn
     inter = f.intermediate_size or spec.intermediate_size
     if f.type == "moe":
-        return MoE(spec.hidden_size, inter, f.num_experts, f.top_k, f.shared_expert, f.balance)
+        return MoE(spec.hidden_size, inter, f.num_experts, f.top_k, f.shared_expert, f.balance, f.bias_update_rate)
     return SwiGLU(spec.hidden_size, inter)

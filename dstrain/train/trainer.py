@@ -105,6 +105,8 @@ class Trainer:
                                                                  config=deepspeed_config(recipe, universal), dist_init_required=False)
         self.drafter = drafter
         self.step = 0
+        self.expert_load = None  # [MoE layers, E]: the last step's routed share per expert (all ranks)
+        self.load_window = None  # [MoE layers, E]: slots routed per expert since the last log line (all ranks)
 
     # -- state -----------------------------------------------------------------------------------------
     def _shared_resume_tag(self, verified_tag):
@@ -204,12 +206,12 @@ class Trainer:
                 confs.append(torch.sigmoid(out.confidence_logits.detach().float())[valid])
                 labels.append(accept[valid])
         moe = self.drafter.moe_layers()
-        if any(m.balance == "bias_update" for m in moe):  # every replica nudges its bias by the global load, so the
-            loads = _all_reduce(torch.stack([m.last_load for m in moe]), self.group) / self.dp_world  # copies stay equal
-            for m, load in zip(moe, loads):
-                m.last_load = load
-        for m in moe:
-            m.update_route_bias()
+        if moe:  # the step's load over every micro-batch and replica: each replica nudges its bias by the same global
+            counts = _all_reduce(torch.stack([m.take_load() for m in moe]).to(self.device), self.group)  # load, so copies stay equal
+            self.expert_load = counts / counts.sum(-1, keepdim=True).clamp(min=1)
+            self.load_window = counts if self.load_window is None else self.load_window + counts
+            for m, load in zip(moe, self.expert_load):
+                m.update_route_bias(load)
         stats = torch.cat([torch.tensor([acc["ce"], acc["tv"], acc["conf"], acc["aux"], float(tokens)], device=self.device), pos_acc, pos_n])
         stats = _all_reduce(stats, self.group)
         stats = stats.cpu()
@@ -233,6 +235,23 @@ class Trainer:
         grads = [p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None]
         local = torch.stack(grads).pow(2).sum() if grads else torch.zeros((), device=self.device)
         return float(_all_reduce(local, self.group).sqrt())
+
+    def _expert_load_metrics(self) -> dict:
+        """Routed share per expert × E (1 = an even share) over the steps since the last log line: max and min per MoE
+        layer, and each expert's (wandb groups them per layer) unless there are too many to chart. Also the last
+        step's max alone: a micro-batch holds few sequences, and a drafter routes the tokens of one sequence alike
+        (they share its context), so one step's load swings with which sequences it drew."""
+        if self.load_window is None:
+            return {}
+        window, self.load_window = self.load_window, None
+        out = {}
+        shares = window / window.sum(-1, keepdim=True).clamp(min=1) * window.shape[-1]
+        for i, (load, step) in enumerate(zip(shares.cpu().tolist(), (self.expert_load * window.shape[-1]).cpu().tolist())):
+            out[f"expert_load_max/layer{i}"], out[f"expert_load_min/layer{i}"] = max(load), min(load)
+            out[f"expert_load_step_max/layer{i}"] = max(step)
+            if len(load) <= 32:
+                out.update({f"expert_load/layer{i}/e{e}": v for e, v in enumerate(load)})
+        return out
 
     def _cache_metrics(self) -> dict:
         """The feature cache's cumulative counters summed over drafter ranks (target_feature_s: the mean per rank)."""
@@ -276,8 +295,7 @@ class Trainer:
                         metrics["channel_bytes_per_position"] = window["bytes"] / max(window["positions"], 1)
                     metrics.update({"lr": self.scheduler.get_last_lr()[0], "supervised_positions_per_s": window["positions"] / (now - t_last),
                                     "tokens_per_s": window["tokens"] / (now - t_last), "peak_memory_mb": peak_memory_mb(self.device)})
-                    for i, m in enumerate(self.drafter.moe_layers()):
-                        metrics[f"expert_load_max/layer{i}"] = float(m.last_load.max() * m.num_experts)
+                    metrics.update(self._expert_load_metrics())
                     metrics.update(self._cache_metrics())
                     monitor.log(self.step, metrics)
                     t_last, window = now, {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
@@ -290,6 +308,11 @@ class Trainer:
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start
             logged = [json.loads(line) for line in monitor.path.read_text().splitlines() if line.strip()]
             summary.update(first=logged[0] if logged else None, last=logged[-1] if logged else None)
+            loads = sorted(k.split("/")[1] for k in (logged[-1] if logged else {}) if k.startswith("expert_load_max/"))
+            if loads:  # 1.0 = even; top_k experts taking every token reads E / top_k
+                seen = {layer: [m[f"expert_load_max/{layer}"] for m in logged if f"expert_load_max/{layer}" in m] for layer in loads}
+                summary["expert_load"] = {layer: {"max": logged[-1][f"expert_load_max/{layer}"], "min": logged[-1].get(f"expert_load_min/{layer}"),
+                                                  "max_mean_over_run": sum(seen[layer]) / len(seen[layer])} for layer in loads}
             if logged and "target_feature_s" in logged[-1]:  # cumulative counters: the last line holds the run's totals
                 summary["feature_cache"] = {k: v for k, v in logged[-1].items() if k.startswith(("feature_cache/", "target_feature_s"))}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
