@@ -67,6 +67,18 @@ def _chunk_rows(n: int, vocab: int, budget_mb: float) -> int:
     return max(1, min(n, int(budget_mb * 2**20 // (3 * 4 * vocab))))
 
 
+def _softmax(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension into `out` (a buffer, not x: the kernel's aliasing is not promised)."""
+    if x.is_cuda:
+        return torch.softmax(x, dim=-1)
+    return torch.ops.aten._softmax.out(x, -1, False, out=out)
+
+
+def _rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """src[index] into `out` (gather over an expanded index: index_select with out= takes seconds on 2 CPU threads)."""
+    return torch.gather(src, 0, index[:, None].expand(len(index), src.shape[1]), out=out)
+
+
 def _distinct(index: torch.Tensor):
     """(distinct rows, inverse) when sharing saves at least a tenth of the rows, else (index, None)."""
     rows, inverse = torch.unique(index, return_inverse=True)
@@ -105,33 +117,38 @@ class _FusedVocabLoss(torch.autograd.Function):
                     u += _gemm(g_a[a_rows], w2, lowp, out=t_buf[:m])
                 else:
                     bias = _gemm(g_a[a_rows], w2, lowp, out=t_buf[: len(a_rows)])
-                    u += torch.index_select(bias, 0, a_inv, out=d_buf[:m])
+                    u += _rows(bias, a_inv, d_buf[:m])
             lab = labels[lo:hi].clamp(min=0)
             u_label = u.gather(1, lab[:, None]).squeeze(1)
-            lse_d = torch.logsumexp(u, dim=1)
-            p_d = u.sub_(lse_d[:, None]).exp_()
+            u_max, arg = u.max(dim=1)
+            p_d = _softmax(u, d_buf[:m])  # the fused kernel: max, exp-sum and scale row by row in cache
+            # log-normaliser from the most likely token, whose probability (>= 1/V) cannot underflow
+            lse_d = u_max - p_d.gather(1, arg[:, None]).squeeze(1).log()
             # target logits once per distinct row: overlapping blocks of a sequence share rows
             t_rows, t_inv = _distinct(target_index[lo:hi])
             t = _gemm(g_t[t_rows], w.T, lowp, out=t_buf[: len(t_rows)])
-            p_t = t.sub_(torch.logsumexp(t, dim=1)[:, None]).exp_()
-            diff = p_t if t_inv is None else torch.index_select(p_t, 0, t_inv, out=d_buf[:m])
-            diff = diff.neg_().add_(p_d)  # p_d - p_t
-            tv[lo:hi] = torch.linalg.vector_norm(diff, 1, dim=1)
+            p_t = _softmax(t, u_buf[: len(t_rows)])
+            if t_inv is None:
+                diff, free = p_t, t_buf[:m]
+            else:
+                diff, free = _rows(p_t, t_inv, t_buf[:m]), u_buf[:m]
+            diff = diff.sub_(p_d)  # p_t - p_d
+            tv[lo:hi] = torch.abs(diff, out=free).sum(1)
             ce[lo:hi] = torch.where(valid[lo:hi], lse_d - u_label, torch.zeros_like(lse_d))
             if not any(want):
                 continue
-            sign = diff.sign_()
-            signed = torch.bmm(p_d[:, None, :], sign[:, :, None]).view(-1)
+            q = diff.sign_().mul_(p_d)  # -p_d ⊙ s, s = sign(p_d - p_t)
+            signed = q.sum(1)  # -Σ p_d s
             ce_c, tv_c = torch.where(valid[lo:hi], c_ce[lo:hi], torch.zeros_like(lse_d)), c_tv[lo:hi]
-            # d/dU of c_ce·CE + c_tv·TV = p_d ⊙ (c_ce + c_tv·(s − Σ p_d s)) − c_ce·onehot(label), in sign's storage
-            g_u = sign.mul_(tv_c[:, None]).add_((ce_c - tv_c * signed)[:, None]).mul_(p_d)
+            # d/dU of c_ce·CE + c_tv·TV = p_d ⊙ (c_ce + c_tv·(s − Σ p_d s)) − c_ce·onehot(label), in q's storage
+            g_u = q.mul_(-tv_c[:, None]).addcmul_(p_d, (ce_c + tv_c * signed)[:, None])
             g_u[torch.arange(m, device=dev), lab] -= ce_c
             g_op = g_u.to(lm_weight.dtype) if lowp else g_u
             if grad_h is not None:
                 grad_h[lo:hi] = _gemm(g_op, w, lowp)
-            if want[1] or want[2]:  # Markov: rows of one previous token share one gradient row (p_d's buffer is free)
+            if want[1] or want[2]:  # Markov: rows of one previous token share one gradient row
                 if a_inv is not None:
-                    g_op = u_buf[: len(a_rows)].zero_().index_add_(0, a_inv, g_u)
+                    g_op = free[: len(a_rows)].zero_().index_add_(0, a_inv, g_u)
                     g_op = g_op.to(lm_weight.dtype) if lowp else g_op
                 if want[1]:
                     grad_a.index_add_(0, a_rows, _gemm(g_op, w2.T, lowp))
