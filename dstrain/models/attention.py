@@ -39,8 +39,11 @@ class KeyGroups:
     order: torch.Tensor  # [N] position in the concatenated bucket outputs of each block
 
     @staticmethod
-    def build(key_index: torch.Tensor, slots: int, slack: float = 1.5, max_group: int = 64) -> "KeyGroups | None":
-        """Groups for key_index [N, Wk]; None when some block's keys are not one contiguous range of rows."""
+    def build(key_index: torch.Tensor, slots: int, slack: float = 1.5, max_group: int = 64,
+              min_saving: float = 0.5) -> "KeyGroups | None":
+        """Groups for key_index [N, Wk]; None when some block's keys are not one contiguous range of rows, or when
+        grouping would copy more than (1 − min_saving) of the per-block layout's keys (then the per-block layout,
+        with fewer and larger operations, is the better one: e.g. a short window and anchors far apart)."""
         if not len(key_index):
             return None
         device = key_index.device
@@ -72,6 +75,9 @@ class KeyGroups:
         if lo_l:
             groups.append((start, len(lo_l), g_lo, g_hi))
         by_size: dict[int, list] = {}
+        copied = sum(max(h - l, 1) for _, _, l, h in groups)
+        if copied > (1 - min_saving) * key_index.numel():
+            return None
         for grp in groups:
             width = max(grp[3] - grp[2], 1)
             by_size.setdefault(1 << (width - 1).bit_length(), []).append(grp)
