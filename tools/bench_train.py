@@ -1,25 +1,27 @@
 #!/usr/bin/env python
-"""Drafter train-step throughput and peak memory: our packed path vs a DeepSpec-style reference path, and both
-against the vocabulary floor.
+"""Drafter train-step throughput and peak memory: the vocabulary floor, our packed step, and the peers' way.
 
-Both paths run the same DSpark drafter weights on the same sequences, anchors and target features:
-  packed     anchor-bounded packing, token-level key indices (context rows inside each block's window
-             only), chunked-vocabulary CE / TV / confidence losses;
-  reference  the way public trainers (DeepSpec, SpecForge) do it: whole sequences, every context
-             position projected, a dense [queries x (context + queries)] mask per sequence, full-vocabulary
-             fp32 softmaxes for the draft and for the target over every position of the sequence.
-Both compute the same loss (printed as a check).
-  floor      what any drafter step must do per supervised position (DESIGN §6): three d x V GEMMs — target
-             logits [N x d]@[d x V], draft logits, and the draft logits' backward into the hidden state
-             [N x V]@[V x d] — timed in the packed path's process, at its N, dtype and device.
-Prints supervised positions/s and peak step memory of both paths, their ratios, and the fraction of the floor's
-positions/s each reaches (goals: >= 3x throughput, <= 1/3 memory, packed cost flat as context grows 4x).
+In the same run, per (anchors per sequence, sliding window, context length), all with the same DSpark drafter
+weights, sequences, anchors and target features (every path computes the same loss, printed as a check):
+  floor     what any drafter step must do per supervised position (DESIGN §6): three d x V GEMMs — target
+            logits [N x d]@[d x V], draft logits, and the draft logits' backward into the hidden state
+            [N x V]@[V x d] — timed in the packed step's process, at its N, dtype and device;
+  packed    ours: anchor-bounded packing, context keys shared by blocks with overlapping ranges (KeyGroups),
+            the fused row-chunked vocabulary loss (dstrain/train/losses.py);
+  deepspec  what the public DeepSpec DSpark trainer does (tools/bench_train_refs.py): context keys projected
+            once per sequence and shared, a dense mask per sequence, target logits only at supervised positions,
+            full-vocabulary fp32 softmaxes;
+  fullseq   the same with the target softmax over every position of the sequence (labelled as such: real
+            trainers do not do this, so a ratio against it says nothing about the peers).
+Prints supervised positions/s, the fraction of the floor's positions/s, and peak step memory for each path.
 
---device cpu (default): each (path, window, context) runs in its own process so peak RSS is its own.
+--device cpu (default): each (path, anchors, window, context) runs in its own process so peak RSS is its own.
 --device cuda: one process; CUDA-synchronised timing, peak step memory from torch.cuda.max_memory_allocated
 (reset per measurement); a measurement that runs out of GPU memory is reported as such and the rest go on.
 --dtype bf16: drafter weights, LM head, embedding and target features in bf16 (the losses keep fp32 softmaxes
-and accumulation; on CUDA their vocabulary GEMMs run on bf16 operands with fp32 output).
+and accumulation; on CUDA their vocabulary GEMMs run on bf16 operands with fp32 output), the floor in bf16.
+--sizes v4flash: DeepSeek-V4-Flash's hidden size and vocabulary (4096, 129280; 2 draft layers) instead of SmolLM2's.
+--profile: one packed step under torch.profiler (the first grid point), its top operators by self time.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SIZES = {"smollm2": dict(hidden=576, vocab=49152, heads=9, kv_heads=3),
+         "v4flash": dict(hidden=4096, vocab=129280, heads=32, kv_heads=8),
+         "tiny": dict(hidden=64, vocab=512, heads=4, kv_heads=2)}  # dry runs of the tool itself
+PATHS = ("packed", "deepspec", "fullseq")
 
 
 def rss_mb() -> float:
@@ -55,7 +60,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def setup(args, context: int, window: int | None):
+def setup(args, context: int, window: int | None, anchors: int):
     from dstrain.data.anchors import anchor_generator, sample_anchors
     from dstrain.data.loader import Sample
     from dstrain.data.packing import pack_blocks
@@ -63,23 +68,25 @@ def setup(args, context: int, window: int | None):
     from dstrain.models.registry import build_drafter
     from dstrain.recipe import DrafterConfig, FFNConfig
 
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype, size = torch.device(args.device), DTYPES[args.dtype], SIZES[args.sizes]
     torch.manual_seed(0)
-    spec = TargetSpec(args.hidden, args.vocab, 3, args.heads, args.kv_heads or args.heads // 3, args.hidden * 2)
+    spec = TargetSpec(size["hidden"], size["vocab"], 3, size["heads"], size["kv_heads"], size["hidden"] * 2)
     cfg = DrafterConfig(type="dspark", num_layers=args.layers, block_size=args.gamma, sliding_window=window,
                         ffn=FFNConfig(type="dense"), head="markov", head_rank=args.rank, confidence=True)
     with device:  # parameters are created where they run (a V x d LM head is slow to initialise on the CPU)
-        embedding = torch.nn.Embedding(args.vocab, args.hidden).requires_grad_(False)
-        lm_head = torch.nn.Linear(args.hidden, args.vocab, bias=False).requires_grad_(False)
+        embedding = torch.nn.Embedding(size["vocab"], size["hidden"]).requires_grad_(False)
+        lm_head = torch.nn.Linear(size["hidden"], size["vocab"], bias=False).requires_grad_(False)
         drafter = build_drafter(cfg, spec, embedding)
     for module in (embedding, lm_head, drafter):
         module.to(dtype)
-    samples = [Sample(torch.randint(0, args.vocab, (context,)), torch.ones(context, dtype=torch.bool), {"id": str(i)})
+    with torch.no_grad():  # a Markov head that has trained a little (zero-initialised W2 would make its GEMMs trivial)
+        drafter.seq_head.w2.normal_(0, 0.02)
+    samples = [Sample(torch.randint(0, size["vocab"], (context,)), torch.ones(context, dtype=torch.bool), {"id": str(i)})
                for i in range(args.batch)]
-    anchors = [sample_anchors(s.loss_mask, args.anchors, anchor_generator(0, s.meta["id"])) for s in samples]
-    packed = pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], anchors, args.gamma, 0, window)
-    captured = torch.randn(args.batch * context, 3, args.hidden, device=device).to(dtype)
-    final = torch.randn(args.batch * context, args.hidden, device=device).to(dtype)
+    picks = [sample_anchors(s.loss_mask, anchors, anchor_generator(0, s.meta["id"])) for s in samples]
+    packed = pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], picks, args.gamma, 0, window)
+    captured = torch.randn(args.batch * context, 3, size["hidden"], device=device).to(dtype)
+    final = torch.randn(args.batch * context, size["hidden"], device=device).to(dtype)
     return drafter, lm_head, packed.to(device), captured, final
 
 
@@ -88,56 +95,6 @@ def packed_step(drafter, lm_head, packed, captured, final, loss_cfg):
 
     sums, _, out = draft_losses(drafter, lm_head, packed, TargetFeatures(captured, final), loss_cfg)
     loss = sums["total"] / sums["weight"]
-    loss.backward()
-    return loss.item()
-
-
-def reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context: int, window):
-    """Per sequence: every context position projected, a dense [queries x (context + queries)] mask, and
-    full-vocabulary fp32 softmaxes — the draft at the block positions, the target over the whole sequence
-    (logits from a whole-sequence hidden-state cache, then gathered), as SpecForge-style trainers compute them."""
-    from dstrain.models.layers import rope
-    from dstrain.train.losses import position_weights
-
-    device = captured.device
-    n, gamma = packed.block_tokens.shape
-    b = captured.shape[0] // context
-    per = n // b  # every sequence has the same number of anchors here
-    ctx = drafter.fuse_norm(drafter.fuse(captured.reshape(captured.shape[0], -1))).view(b, context, -1)
-    ctx_pos = torch.arange(context, device=device)
-    with torch.no_grad():
-        anchor = drafter._embedding(packed.block_tokens[:, :1])
-    x = torch.cat([anchor, drafter.mask_embed.expand(n, gamma - 1, -1)], 1).reshape(b, per * gamma, -1)
-    a = packed.anchors.view(b, per).repeat_interleave(gamma, 1)[..., None]  # [B, Q, 1]
-    lo = a - window if window else torch.zeros_like(a)
-    ok_ctx = (ctx_pos < a) & (ctx_pos >= lo)  # [B, Q, T]
-    qb = torch.arange(per, device=device).repeat_interleave(gamma)
-    mask = torch.cat([ok_ctx, (qb[:, None] == qb[None, :]).expand(b, -1, -1)], 2)[:, None]  # [B, 1, Q, T + Q]
-    pos = packed.block_pos.reshape(b, -1)
-    for layer in drafter.layers:
-        h = layer.attn_norm(x)
-        q = rope(layer.q_proj(h).view(b, -1, layer.heads, layer.head_dim), pos, layer.rope_theta)
-        k_blk = rope(layer.k_proj(h).view(b, -1, layer.kv_heads, layer.head_dim), pos, layer.rope_theta)
-        v_blk = layer.v_proj(h).view(b, -1, layer.kv_heads, layer.head_dim)
-        k_ctx, v_ctx = layer.context_kv(ctx.reshape(b * context, -1), ctx_pos.repeat(b))
-        k = torch.cat([k_ctx.view(b, context, *k_ctx.shape[1:]), k_blk], 1).repeat_interleave(layer.heads // layer.kv_heads, 2)
-        v = torch.cat([v_ctx.view(b, context, *v_ctx.shape[1:]), v_blk], 1).repeat_interleave(layer.heads // layer.kv_heads, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-        x = x + layer.o_proj(o.transpose(1, 2).reshape(b, per * gamma, -1))
-        x = x + layer.feed_forward(x)[0]
-    hidden = drafter.norm(x).reshape(n, gamma, -1)
-    factor = drafter.seq_head(hidden, packed.prev_tokens)
-    logits = (lm_head(hidden) + factor @ drafter.seq_w2).float()
-    p_d = logits.softmax(-1)
-    with torch.no_grad():
-        p_t_all = lm_head(final).float().softmax(-1)  # every position of every sequence
-    p_t = p_t_all[packed.final_rows]
-    tv = (p_d - p_t).abs().sum(-1)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), packed.labels.reshape(-1).clamp(min=0), reduction="none").view(n, gamma)
-    conf = drafter.conf_head(hidden, drafter.seq_head.w1(packed.prev_tokens)).float()
-    bce = F.binary_cross_entropy_with_logits(conf, (1 - 0.5 * tv).detach(), reduction="none")
-    w = position_weights(gamma, loss_cfg.gamma_decay, device)[None] * packed.valid
-    loss = (w * (loss_cfg.alpha_ce * ce + loss_cfg.alpha_tv * tv + loss_cfg.alpha_conf * bce)).sum() / w.sum()
     loss.backward()
     return loss.item()
 
@@ -185,24 +142,28 @@ def floor_measure(lm_head, positions: int, repeats: int) -> dict:
             "tflops": 6 * n * d * vocab / dt / 1e12}
 
 
-def measure(args, path: str, context: int, window: int | None) -> dict:
-    """One (path, window, context) measurement; the packed path also times the floor at its N."""
+def measure(args, path: str, context: int, window: int | None, anchors: int) -> dict:
+    """One (path, anchors, window, context) measurement; the packed path also times the floor at its N."""
+    from bench_train_refs import reference_step
     from dstrain.recipe import LossConfig
     from dstrain.train import losses
 
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    drafter, lm_head, packed, captured, final = setup(args, context, window)
+    drafter, lm_head, packed, captured, final = setup(args, context, window, anchors)
     loss_cfg = LossConfig()
-    run = (lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg)) if path == "packed" else \
-          (lambda: reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context, window))
-    loss = run()  # both paths must compute the same loss
+    if path == "packed":
+        run = lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg)  # noqa: E731
+    else:
+        run = lambda: reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context, window,  # noqa: E731
+                                     full_sequence=path == "fullseq")
+    loss = run()  # every path must compute the same loss; this call is also the warm-up
     drafter.zero_grad()
     dt, peak = timed(run, args.repeats, device, drafter.zero_grad, warmup=False)
     positions = int(packed.valid.sum())
-    row = {"path": path, "context": context, "window": window, "seconds": dt, "positions_per_s": positions / dt,
-           "peak_step_mb": peak, "positions": positions, "loss": loss}
+    row = {"path": path, "context": context, "window": window, "anchors": anchors, "seconds": dt,
+           "positions_per_s": positions / dt, "peak_step_mb": peak, "positions": positions, "loss": loss}
     if path == "packed":
         row["loss_gemms"] = ("bf16 operands, fp32 output" if device.type == "cuda" and args.dtype == "bf16"
                              and losses._MM_OUT_FP32["ok"] else "fp32")
@@ -210,112 +171,190 @@ def measure(args, path: str, context: int, window: int | None) -> dict:
     return row
 
 
-def measure_guarded(args, path: str, context: int, window: int | None) -> dict:
+def measure_guarded(args, path: str, context: int, window: int | None, anchors: int) -> dict:
     try:
-        return measure(args, path, context, window)
+        return measure(args, path, context, window, anchors)
     except torch.OutOfMemoryError as exc:
-        return {"path": path, "context": context, "window": window, "error": f"out of GPU memory: {str(exc).splitlines()[0][:160]}"}
+        return {"path": path, "context": context, "window": window, "anchors": anchors,
+                "error": f"out of GPU memory: {str(exc).splitlines()[0][:160]}"}
     finally:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
 
+def breakdown(events, d: int, vocab: int, rank: int) -> dict[str, float]:
+    """Self time (s) of one step's operators, by what they do: the floor's d x V GEMMs, the Markov head's r x V
+    GEMMs, other GEMMs (the drafter's layers, context projections), elementwise work over [rows x V] tensors,
+    attention kernels, and the rest."""
+    out = dict.fromkeys(("vocab GEMMs d x V", "Markov GEMMs r x V", "other GEMMs", "vocab elementwise", "attention", "other"), 0.0)
+    for e in events:
+        shapes = [tuple(s) for s in (e.input_shapes or []) if isinstance(s, (list, tuple))]
+        dims = {x for s in shapes for x in s}
+        gemm = e.key in ("aten::mm", "aten::addmm", "aten::addmm_")
+        if gemm and vocab in dims:
+            key = "vocab GEMMs d x V" if d in dims else "Markov GEMMs r x V" if rank in dims else "other GEMMs"
+        elif gemm:
+            key = "other GEMMs"
+        elif "scaled_dot_product" in e.key:
+            key = "attention"
+        elif any(s and s[-1] == vocab or (len(s) == 2 and s[0] == vocab) for s in shapes):
+            key = "vocab elementwise"
+        else:
+            key = "other"
+        out[key] += e.self_cpu_time_total / 1e6
+    return out
+
+
+def profile(args, context: int, window: int | None, anchors: int) -> None:
+    """One packed step under torch.profiler: where the time goes, by category and by operator (self time)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from dstrain.recipe import LossConfig
+
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    drafter, lm_head, packed, captured, final = setup(args, context, window, anchors)
+    run = lambda: packed_step(drafter, lm_head, packed, captured, final, LossConfig())  # noqa: E731
+    run()
+    drafter.zero_grad()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    t0 = time.perf_counter()
+    with torch_profile(activities=acts, record_shapes=True) as prof:
+        run()
+        sync(torch.device(args.device))
+    wall = time.perf_counter() - t0
+    n = int(packed.valid.sum())
+    floor = floor_measure(lm_head, n, args.repeats)
+    size = SIZES[args.sizes]
+    print(f"profile: packed step, {anchors} anchors, window {window or 'none'}, context {context}, N = {n}; "
+          f"step {wall:.3f} s under the profiler, floor {floor['seconds']:.3f} s")
+    if args.device == "cpu":
+        parts = breakdown(prof.key_averages(group_by_input_shape=True), size["hidden"], size["vocab"], args.rank)
+        total = sum(parts.values())
+        for k, v in parts.items():
+            print(f"  {k:<20} {v:7.3f} s  {v / total:6.1%}   ({v / floor['seconds']:.2f} x the floor)")
+    for key in (["self_device_time_total", "self_cuda_time_total"] if args.device == "cuda" else []) + ["self_cpu_time_total"]:
+        try:  # the device key's name moved between torch versions
+            print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=48))
+            break
+        except (AttributeError, KeyError, ValueError):
+            continue
+
+
 def fmt(x, spec: str, width: int) -> str:
     return f"{'-':>{width}}" if x is None else f"{x:>{width}{spec}}"
 
 
-def report(rows: dict, windows: list, contexts: list[int]) -> list[dict]:
+def report(rows: dict, grid: list[tuple], paths: list[str]) -> list[dict]:
     table = []
-    for win in windows:
-        for c in contexts:
-            p, r = rows[("packed", win, c)], rows[("reference", win, c)]
-            f = p.get("floor")
-            entry = {"window": win, "context": c, "packed": p, "reference": r, "floor": f}
-            ok_p, ok_r = "error" not in p, "error" not in r
-            entry["speedup"] = p["positions_per_s"] / r["positions_per_s"] if ok_p and ok_r else None
-            entry["memory_ratio"] = p["peak_step_mb"] / max(r["peak_step_mb"], 1.0) if ok_p and ok_r else None
-            entry["packed_floor_fraction"] = p["positions_per_s"] / f["positions_per_s"] if ok_p else None
-            entry["reference_floor_fraction"] = r["positions_per_s"] / f["positions_per_s"] if ok_p and ok_r else None
-            table.append(entry)
-    same = [abs(e["packed"]["loss"] - e["reference"]["loss"]) for e in table if "error" not in e["packed"] and "error" not in e["reference"]]
-    if same:
-        print(f"same work: |loss(packed) - loss(reference)| <= {max(same):.2e} at every measured context length")
-    print(f"{'window':>6} {'context':>7} {'packed pos/s':>12} {'ref pos/s':>10} {'floor pos/s':>11} {'speedup':>8}"
-          f" {'packed/floor':>12} {'ref/floor':>9} {'packed MB':>9} {'ref MB':>8} {'mem ratio':>9}")
+    for key in grid:
+        entry = {"anchors": key[0], "window": key[1], "context": key[2], **{p: rows[(p, *key)] for p in paths}}
+        f = rows[("packed", *key)].get("floor") if "packed" in paths else None
+        entry["floor"] = f
+        for p in paths:
+            r = entry[p]
+            r["floor_fraction"] = r["positions_per_s"] / f["positions_per_s"] if f and "error" not in r else None
+        table.append(entry)
+    ok = [e for e in table if all("error" not in e[p] for p in paths)]
+    if ok and len(paths) > 1:
+        worst = max(abs(e[p]["loss"] - e[paths[0]]["loss"]) for e in ok for p in paths)
+        print(f"same work: |loss difference| between paths <= {worst:.2e} at every grid point")
+    head = f"{'anchors':>7} {'window':>6} {'context':>7} {'N':>5} {'floor pos/s':>11}"
+    for p in paths:
+        head += f" | {p + ' pos/s':>14} {'floor':>5} {'MB':>6}"
+    print(head)
     for e in table:
-        p, r, f = e["packed"], e["reference"], e["floor"]
-        print(f"{str(e['window'] or 'none'):>6} {e['context']:>7} {fmt(p.get('positions_per_s'), '.1f', 12)} {fmt(r.get('positions_per_s'), '.1f', 10)}"
-              f" {fmt(f and f['positions_per_s'], '.1f', 11)} {fmt(e['speedup'], '.2f', 7)}x {fmt(e['packed_floor_fraction'], '.3f', 12)}"
-              f" {fmt(e['reference_floor_fraction'], '.3f', 9)} {fmt(p.get('peak_step_mb'), '.0f', 9)} {fmt(r.get('peak_step_mb'), '.0f', 8)}"
-              f" {fmt(e['memory_ratio'], '.2f', 9)}")
-        for which in (p, r):
-            if "error" in which:
-                print(f"       {which['path']} @ window {e['window'] or 'none'}, context {e['context']}: {which['error']}")
-    for win in windows:
-        got = [e for e in table if e["window"] == win and "error" not in e["packed"]]
-        if len(got) >= 2:
-            lo, hi = got[0]["packed"], got[-1]["packed"]
-            print(f"packed cost growth (window {win or 'none'}) {lo['context']} -> {hi['context']} tokens: time x{hi['seconds'] / lo['seconds']:.2f}, "
-                  f"memory x{hi['peak_step_mb'] / max(lo['peak_step_mb'], 1.0):.2f}")
+        f = e["floor"]
+        line = f"{e['anchors']:>7} {str(e['window'] or 'none'):>6} {e['context']:>7} {fmt(e[paths[0]].get('positions'), 'd', 5)} {fmt(f and f['positions_per_s'], '.0f', 11)}"
+        for p in paths:
+            r = e[p]
+            line += f" | {fmt(r.get('positions_per_s'), '.1f', 14)} {fmt(r.get('floor_fraction'), '.2f', 5)} {fmt(r.get('peak_step_mb'), '.0f', 6)}"
+        print(line)
+        for p in paths:
+            if "error" in e[p]:
+                print(f"        {p}: {e[p]['error']}")
+    if "packed" in paths and "deepspec" in paths:
+        for e in ok:
+            p, d = e["packed"], e["deepspec"]
+            e["speedup_vs_deepspec"] = p["positions_per_s"] / d["positions_per_s"]
+            e["memory_vs_deepspec"] = p["peak_step_mb"] / max(d["peak_step_mb"], 1.0)
+        print("packed vs deepspec (speed x, memory x): " + ", ".join(
+            f"{e['anchors']}/{e['window'] or 'none'}/{e['context']}: {e['speedup_vs_deepspec']:.2f}x, {e['memory_vs_deepspec']:.2f}x" for e in ok))
+    for p in paths:
+        for a_ in sorted({k[0] for k in grid}):
+            for win in dict.fromkeys(k[1] for k in grid):
+                got = [e for e in table if e["anchors"] == a_ and e["window"] == win and "error" not in e[p]]
+                if len(got) >= 2:
+                    lo, hi = got[0][p], got[-1][p]
+                    print(f"{p} cost growth ({a_} anchors, window {win or 'none'}) {lo['context']} -> {hi['context']} tokens: "
+                          f"time x{hi['seconds'] / lo['seconds']:.2f}, memory x{hi['peak_step_mb'] / max(lo['peak_step_mb'], 1.0):.2f}")
     floors = [e["floor"] for e in table if e["floor"]]
     if floors:
-        print(f"floor GEMMs: {min(f['tflops'] for f in floors):.2f}-{max(f['tflops'] for f in floors):.2f} TFLOP/s;"
-              f" packed loss GEMMs: {table[0]['packed'].get('loss_gemms', '?')}")
+        print(f"floor GEMMs: {min(f['tflops'] for f in floors) * 1e3:.0f}-{max(f['tflops'] for f in floors) * 1e3:.0f} GFLOP/s;"
+              f" packed loss GEMMs: {table[0]['packed'].get('loss_gemms', '?') if 'packed' in paths else '?'}")
     return table
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="512,2048,8192", help="sequence lengths to compare (default %(default)s)")
-    ap.add_argument("--hidden", type=int, default=576, help="SmolLM2 sizes by default")
-    ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=None, help="default: heads // 3")
+    ap.add_argument("--contexts", default="512,2048,8192", help="sequence lengths (default %(default)s)")
+    ap.add_argument("--anchors", default="64", help="anchors per sequence, comma-separated (default %(default)s; the peers use 512)")
+    ap.add_argument("--window", default="128,none", help="sliding windows, comma-separated; 'none' = the whole context before the anchor")
+    ap.add_argument("--paths", default=",".join(PATHS), help="which steps to measure (default %(default)s)")
+    ap.add_argument("--sizes", choices=list(SIZES), default="smollm2", help="target d and V: SmolLM2 (576, 49152), V4-Flash (4096, 129280), or tiny (64, 512) to try the tool")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--rank", type=int, default=256)
+    ap.add_argument("--rank", type=int, default=256, help="Markov head rank")
     ap.add_argument("--gamma", type=int, default=5)
-    ap.add_argument("--window", default="128", help="sliding window(s), comma-separated; 'none' = the whole context before the anchor")
-    ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
-    ap.add_argument("--batch", type=int, default=2, help="sequences per step")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step")
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (--device cpu)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     ap.add_argument("--out", help="also write the table (and the settings) as JSON here")
+    ap.add_argument("--profile", action="store_true", help="profile one packed step at the first grid point instead")
     ap.add_argument("--in-process", action="store_true", help="measure in this process (always so with --device cuda)")
-    ap.add_argument("--path", choices=["packed", "reference"], help=argparse.SUPPRESS)
+    ap.add_argument("--path", choices=PATHS, help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"bench_train: --device cuda but torch {torch.__version__} sees no CUDA device; use --device cpu", file=sys.stderr)
         return 2
-    if args.path:  # a child process measuring one (path, window, context)
-        print(json.dumps(measure(args, args.path, args.context, parse_window(args.window))))
-        return 0
+    paths = [p for p in args.paths.split(",") if p]
+    if unknown := [p for p in paths if p not in PATHS]:
+        print(f"bench_train: --paths {','.join(unknown)}: choose from {','.join(PATHS)}", file=sys.stderr)
+        return 2
     windows = [parse_window(w) for w in args.window.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("hidden", "vocab", "heads", "layers", "rank", "gamma",
-                                                                           "anchors", "batch", "repeats", "threads", "device", "dtype")]
-    if args.kv_heads:
-        passthrough.append(f"--kv-heads={args.kv_heads}")
+    anchor_counts = [int(a) for a in args.anchors.split(",")]
+    if args.profile:
+        profile(args, contexts[0], windows[0], anchor_counts[0])
+        return 0
+    if args.path:  # a child process measuring one (path, anchors, window, context)
+        print(json.dumps(measure(args, args.path, args.context, windows[0], anchor_counts[0])))
+        return 0
+    passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("sizes", "layers", "rank", "gamma", "batch",
+                                                                           "repeats", "threads", "device", "dtype")]
+    grid = [(a, w, c) for a in anchor_counts for w in windows for c in contexts]
     rows = {}
-    for win in windows:
-        for context in contexts:
-            for path in ("packed", "reference"):
-                if args.device == "cuda" or args.in_process:  # one process: CUDA peak memory is reset per measurement
-                    rows[(path, win, context)] = measure_guarded(args, path, context, win)
-                    continue
-                out = subprocess.run([sys.executable, __file__, "--path", path, "--context", str(context),
-                                      f"--window={win}", *passthrough], capture_output=True, text=True)
-                if out.returncode != 0:
-                    print(f"{path} @ window {win}, context {context}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
-                    return 1
-                rows[(path, win, context)] = json.loads(out.stdout.strip().splitlines()[-1])
-    table = report(rows, windows, contexts)
+    for key in grid:
+        for path in paths:
+            if args.device == "cuda" or args.in_process:  # one process: CUDA peak memory is reset per measurement
+                rows[(path, *key)] = measure_guarded(args, path, key[2], key[1], key[0])
+                continue
+            out = subprocess.run([sys.executable, __file__, "--path", path, "--context", str(key[2]), f"--window={key[1]}",
+                                  f"--anchors={key[0]}", *passthrough], capture_output=True, text=True)
+            if out.returncode != 0:
+                print(f"{path} @ {key[0]} anchors, window {key[1]}, context {key[2]}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            rows[(path, *key)] = json.loads(out.stdout.strip().splitlines()[-1])
+    if "packed" not in paths:
+        print("bench_train: the floor is timed in the packed path's process; add packed to --paths for floor fractions")
+    table = report(rows, grid, paths)
     if args.out:
-        settings = {k: v for k, v in vars(args).items() if k not in ("path", "context", "out", "in_process")}
-        meta = {"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+        settings = {k: v for k, v in vars(args).items() if k not in ("path", "context", "out", "in_process", "profile")}
+        meta = {"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                "sizes": SIZES[args.sizes]}
         with open(args.out, "w") as fh:
             json.dump({"settings": settings, **meta, "rows": table}, fh, indent=1)
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU session: one command, about 8 minutes at most on one GPU (an H200 with torch, no network).
+# The prepared GPU session: one command, about 9 minutes at most on one GPU (an H200 with torch, no network).
 #
 #   bash tools/gpu_session.sh              # on the GPU machine: $OUT must name the folder whose files come back
 #   OUT=/tmp/gs PIP_PY=python3.12 bash tools/gpu_session.sh --cpu-dry   # here: every stage on the CPU, tiny sizes
@@ -12,7 +12,8 @@
 #   parity    the same recipe and seed in fp32 on the CPU and on the GPU: per-step losses; the GPU run's
 #             checkpoint resumed on the CPU and exported with CUDA hidden (checkpoints load without a GPU)
 #   bench_smollm2 / bench_v4flash   tools/bench_train.py --device cuda --dtype bf16 at d 576, V 49152 and at
-#             d 4096, V 129280, contexts 512/2048/8192, window 128 and none, 512 anchors per sequence
+#             d 4096, V 129280: floor, packed and DeepSpec-style steps, contexts 512/2048/8192, window 128 and none,
+#             2 x 512 anchors; then a profile of one packed step (its top operators print into the stage's log)
 #   collect   one results.json (versions, summaries, metrics, parity, bench tables)
 # What comes back ($OUT, 7 files): <stage>.log of the first five stages, results.json, summary.txt (PASS/FAIL lines).
 set -uo pipefail
@@ -34,7 +35,7 @@ else
     export BUDGET=${BUDGET:-900}
   else
     export PY=${PY:-python3} DEV=cuda OMP_NUM_THREADS=8 SITE=/tmp/site PYTHONPATH=/tmp/site:$PWD
-    export BUDGET=${BUDGET:-450}
+    export BUDGET=${BUDGET:-540}
   fi
 fi
 
@@ -160,19 +161,23 @@ bench() {  # name, then sizes
   local name=$1; shift
   if [[ $DRY == 1 ]]; then
     # the smollm2 stage measures in one process, as --device cuda does; the other in child processes
-    $PY tools/bench_train.py --device cpu --dtype fp32 --hidden 64 --vocab 512 --heads 4 --kv-heads 2 --contexts 128,256 \
-      --window 32,none --anchors 16 --repeats 1 --threads 1 --out "$WORK/$name.json" $([[ $name == bench_smollm2 ]] && echo --in-process)
+    $PY tools/bench_train.py --device cpu --dtype fp32 --sizes tiny --contexts 128,256 --window 32 --anchors 16 \
+      --repeats 1 --threads 1 --out "$WORK/$name.json" $([[ $name == bench_smollm2 ]] && echo --in-process)
+    $PY tools/bench_train.py --device cpu --dtype fp32 --sizes tiny --contexts 128,256 --window none --anchors 16 \
+      --repeats 1 --threads 1 --out "$WORK/${name}_nowindow.json" --in-process
   else
-    # no window stops at 2048: on the H200 (2026-11-30) the packed no-window path ran out of memory at 8192 (V4 sizes)
-    # and took > 60 s at SmolLM2 sizes, and every row is lost when a stage times out
+    # window and no window in separate runs: a stage that times out loses only the rows of the run in progress.
+    # bf16 on CUDA: the loss GEMMs run on bf16 operands with fp32 output; the floor is the bf16 GEMM floor
     $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 512,2048,8192 --window 128 --anchors 512 \
-      --batch 2 --repeats 3 --out "$WORK/$name.json"
-    $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 512,2048 --window none --anchors 512 \
-      --batch 2 --repeats 2 --out "$WORK/${name}_nowindow.json"
+      --batch 2 --repeats 3 --paths packed,deepspec --out "$WORK/$name.json"
+    $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 512,2048,8192 --window none --anchors 512 \
+      --batch 2 --repeats 3 --paths packed,deepspec --out "$WORK/${name}_nowindow.json"
+    $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 2048 --window 128 --anchors 512 --batch 2 --profile \
+      > "$WORK/${name}_profile.txt" 2>&1 && tail -30 "$WORK/${name}_profile.txt"
   fi
 }
-stage_bench_smollm2() { bench bench_smollm2 --hidden 576 --vocab 49152 --heads 9 --kv-heads 3 --layers 2; }
-stage_bench_v4flash() { bench bench_v4flash --hidden 4096 --vocab 129280 --heads 32 --kv-heads 8 --layers 2; }
+stage_bench_smollm2() { bench bench_smollm2 --sizes smollm2; }
+stage_bench_v4flash() { bench bench_v4flash --sizes v4flash; }
 
 stage_collect() {
   $PY - <<'EOF'
@@ -234,8 +239,8 @@ run_stage() {  # name limit_s
 run_stage setup 60
 run_stage train 130
 run_stage parity 100
-run_stage bench_smollm2 70
-run_stage bench_v4flash 120
+run_stage bench_smollm2 90
+run_stage bench_v4flash 150
 run_stage collect 15
 echo "total $(($(date +%s) - START))s" >> "$SUMMARY"
 echo "==== summary"
