@@ -8,7 +8,7 @@ per run, the in-memory cache off so only the disk cache differs):
          the next families read them;
   warm   the same cache again (a rerun of the table, or the next experiment on this corpus): every family reads.
 Prints, per run, the wall clock, the seconds spent getting target features and the cache's hits/misses, then each
-round's total and its ratio to `off`. Losses of a family are identical across rounds (the same features): checked.
+round's total and its ratio to `off`. Losses of a family agree across rounds (the same features): checked.
 
 Data: --shards, or (default) the first --samples training conversations of the shipped corpus, tokenised into
 shards under --out (one visit per sample at the default steps, so no run sees a sample twice).
@@ -114,8 +114,12 @@ def main() -> int:
               f"(wall ratio {total['off']['wall_s'] / total[rnd]['wall_s']:.2f}x); target features "
               f"{total[rnd]['target_feature_s']:.1f}s vs {total['off']['target_feature_s']:.1f}s "
               f"({total['off']['target_feature_s'] - total[rnd]['target_feature_s']:.1f}s saved)")
-    same = all(len({r["loss"] for r in rows if r["family"] == f}) == 1 for f in families)
-    print("losses identical across rounds: " + ("yes" if same else "NO (cached features differ from the target's)"))
+    # to 1e-6, not bit for bit: with several threads, CPU reductions differ in the last bits from run to run
+    # (two identical warm runs of the default recipe differed by 5e-9 relative); tests/test_feature_store.py checks
+    # bit-equal losses single-threaded
+    losses = {f: [r["loss"] for r in rows if r["family"] == f] for f in families}
+    same = all(max(v) - min(v) <= 1e-6 * abs(max(v)) for v in losses.values())
+    print("losses equal across rounds: " + ("yes" if same else "NO (cached features differ from the target's)"))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "totals": total, "identical_losses": same}, indent=2))
     return 0 if same else 1
