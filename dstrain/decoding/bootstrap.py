@@ -1,0 +1,68 @@
+"""Percentile bootstrap intervals for τ over prompts.
+
+τ as the decoder reports it (metrics.acceptance_stats) is a ratio over rounds: Σ(accepted + 1) / #rounds,
+pooled over every prompt of a domain. Rounds of one prompt are not independent (a long easy answer
+contributes many), so the unit resampled is the prompt: each prompt is reduced to its two totals
+(tokens = Σ(accepted + 1), rounds) and a resample's τ is Σ tokens / Σ rounds over the drawn prompts — the
+same estimator, so the full sample reproduces the reported τ exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def prompt_totals(logs: dict[str, torch.Tensor], prompts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per prompt (the rollout's `request` index): tokens produced by rounds (Σ accepted + 1) and the round count.
+    `prompts`: how many prompts were decoded (a prompt that ended at its first token has no round)."""
+    request, accepted = logs["request"].long(), logs["accepted"].long()
+    n = prompts if prompts is not None else int(request.max()) + 1 if len(request) else 0
+    tokens = torch.zeros(n, dtype=torch.float64).index_add_(0, request, (accepted + 1).double())
+    rounds = torch.zeros(n, dtype=torch.float64).index_add_(0, request, torch.ones_like(accepted, dtype=torch.float64))
+    return tokens, rounds
+
+
+def _draws(n: int, samples: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, n, (samples, n), generator=generator)
+
+
+def ratio_interval(tokens: torch.Tensor, rounds: torch.Tensor, samples: int = 2000, level: float = 0.95,
+                   seed: int = 0) -> dict:
+    """τ = Σ tokens / Σ rounds and its percentile bootstrap interval, prompts resampled with replacement."""
+    tokens, rounds = tokens.double(), rounds.double()
+    point = float(tokens.sum() / rounds.sum().clamp(min=1e-12))
+    if len(tokens) < 2:
+        return {"tau": point, "lo": point, "hi": point, "prompts": len(tokens)}
+    idx = _draws(len(tokens), samples, torch.Generator().manual_seed(seed))
+    boot = tokens[idx].sum(1) / rounds[idx].sum(1).clamp(min=1e-12)
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(boot, q).tolist()
+    return {"tau": point, "lo": lo, "hi": hi, "prompts": len(tokens)}
+
+
+def macro_interval(per_domain: dict[str, tuple[torch.Tensor, torch.Tensor]], samples: int = 2000, level: float = 0.95,
+                   seed: int = 0) -> dict:
+    """Macro τ (the mean of the domains' τ) with prompts resampled inside each domain (stratified)."""
+    gen = torch.Generator().manual_seed(seed)
+    points, boots = [], []
+    for tokens, rounds in per_domain.values():
+        tokens, rounds = tokens.double(), rounds.double()
+        points.append(float(tokens.sum() / rounds.sum().clamp(min=1e-12)))
+        idx = _draws(len(tokens), samples, gen)
+        boots.append(tokens[idx].sum(1) / rounds[idx].sum(1).clamp(min=1e-12))
+    boot = torch.stack(boots).mean(0)
+    lo, hi = torch.quantile(boot, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    return {"tau": sum(points) / len(points), "lo": lo, "hi": hi}
+
+
+def paired_difference(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], samples: int = 2000,
+                      level: float = 0.95, seed: int = 0) -> dict:
+    """τ_a − τ_b on the same prompts, both resampled with the same draws (the prompt effect cancels)."""
+    (ta, ra), (tb, rb) = (t.double() for t in a), (t.double() for t in b)
+    if len(ta) != len(tb):
+        raise ValueError(f"paired bootstrap needs the same prompts ({len(ta)} vs {len(tb)})")
+    idx = _draws(len(ta), samples, torch.Generator().manual_seed(seed))
+    diff = ta[idx].sum(1) / ra[idx].sum(1).clamp(min=1e-12) - tb[idx].sum(1) / rb[idx].sum(1).clamp(min=1e-12)
+    lo, hi = torch.quantile(diff, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    point = float(ta.sum() / ra.sum().clamp(min=1e-12) - tb.sum() / rb.sum().clamp(min=1e-12))
+    return {"diff": point, "lo": lo, "hi": hi}
