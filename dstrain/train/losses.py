@@ -62,9 +62,13 @@ def _upcast(*tensors):
     return [None if t is None else t.to(dtype) for t in tensors]
 
 
-def _chunk_rows(n: int, vocab: int, budget_mb: float) -> int:
-    """Rows per chunk: ~3 live [rows x V] fp32 tensors (draft logits, target logits, their difference) in the budget."""
-    return max(1, min(n, int(budget_mb * 2**20 // (3 * 4 * vocab))))
+def _chunk_rows(n: int, vocab: int, budget_mb: float, min_rows: int = 256) -> int:
+    """Rows per chunk: ~3 live [rows x V] fp32 buffers in the budget, but at least `min_rows` (a GEMM of fewer rows
+    streams the whole LM head for too little work: at V4-Flash sizes 64-row chunks ran at half the floor's rate),
+    balanced so the last chunk is not a sliver."""
+    rows = max(min_rows, int(budget_mb * 2**20 // (3 * 4 * vocab)))
+    chunks = -(-n // max(rows, 1))
+    return max(1, -(-n // chunks))
 
 
 def _softmax(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -179,8 +183,8 @@ def vocab_loss(h_draft: torch.Tensor, target_hidden: torch.Tensor, lm_weight: to
 
     Tables and indices: row n's target state is target_hidden[target_index[n]] and its Markov factor
     markov_a[markov_index[n]] (default: the identity), so rows that blocks share are multiplied by the LM head
-    (or W₂) once. rows_per_chunk=None picks it from a memory budget: budget_mb=None is 96 MB on the CPU (the
-    chunk's elementwise passes then run in the last-level cache), on a GPU an eighth of the memory it has free.
+    (or W₂) once. rows_per_chunk=None picks it from a memory budget (budget_mb=None: 96 MB on the CPU, an eighth of
+    the free memory on a GPU), at least 256 rows so each chunk's GEMMs are worth streaming the LM head for.
     """
     if (markov_a is None) != (markov_w2 is None):
         raise ValueError("markov_a and markov_w2 go together")
