@@ -1,0 +1,203 @@
+"""results.json, results.md and the PNGs of tools/reproduce_table.py, from the stages' stored outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dstrain.decoding.bootstrap import macro_interval, paired_difference, ratio_interval
+
+BENCH = {"math": "GSM8K", "code": "HumanEval", "chat": "MT-Bench t1"}
+RISING = 0.02  # held-out τ gained over the last curve segment that counts as "still rising"
+
+
+def _totals(ev: dict, domain: str) -> tuple[torch.Tensor, torch.Tensor]:
+    t = ev["totals"][domain]
+    return torch.tensor(t["tokens"], dtype=torch.float64), torch.tensor(t["rounds"], dtype=torch.float64)
+
+
+def assemble(cfg, data: dict, plan: dict, trains: dict, curves: dict, evals: dict, commands: dict, wall_s: float) -> dict:
+    from dstrain.reproduce.families import FAMILIES
+
+    domains = [d for d in BENCH if all(d in ev["totals"] for ev in evals.values())]
+    n, seed = cfg.bootstrap_samples, cfg.seed
+    fams = {}
+    for fam, ev in evals.items():
+        share = plan["mtp"] if fam == "mtp" else plan["block"]
+        res = ev["result"]["domains"]
+        fams[fam] = {
+            "label": FAMILIES[fam].label, "gamma": ev["result"]["gamma"], "steps": share["steps"],
+            "anchors_per_sequence": share["anchors"], "supervised_positions": share["positions"],
+            "samples_seen": share["samples"], "train_seconds": trains[fam]["seconds"], "eval_seconds": ev["seconds"],
+            "tau_hat_end": (trains[fam].get("last") or {}).get("tau_hat"),
+            "tau": {d: {**ratio_interval(*_totals(ev, d), samples=n, seed=seed), "rounds": res[d]["rounds"],
+                        "reported_tau": res[d]["tau"]} for d in domains},
+            "macro": macro_interval({d: _totals(ev, d) for d in domains}, samples=n, seed=seed),
+            "conditional_acceptance": {d: res[d]["conditional_acceptance"] for d in domains},
+            "curve": curves[fam],
+        }
+    stage_s = {"train": sum(t["seconds"] for t in trains.values()), "curves": sum(c.get("seconds", 0.0) for c in curves.values()),
+               "evaluate": sum(e["seconds"] for e in evals.values())}
+    return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()}, "commands": commands,
+            "data": data, "budget": plan, "domains": domains, "families": fams,
+            "separation": separation(evals, fams, domains, n, seed), "wall_seconds": wall_s, "stage_seconds": stage_s}
+
+
+def separation(evals: dict, fams: dict, domains: list[str], samples: int, seed: int) -> dict:
+    """Per domain: families ordered by τ; for each neighbouring pair whether their intervals overlap and the
+    paired-bootstrap interval of the difference (same prompts, same draws)."""
+    out = {}
+    for d in domains:
+        order = sorted(fams, key=lambda f: -fams[f]["tau"][d]["tau"])
+        pairs = []
+        for a, b in zip(order, order[1:]):
+            ia, ib = fams[a]["tau"][d], fams[b]["tau"][d]
+            diff = paired_difference(_totals(evals[a], d), _totals(evals[b], d), samples, seed=seed)
+            pairs.append({"higher": a, "lower": b, "intervals_overlap": ia["lo"] <= ib["hi"], "difference": diff,
+                          "difference_excludes_0": diff["lo"] > 0 or diff["hi"] < 0})
+        out[d] = {"order": order, "pairs": pairs, "separated": not any(p["intervals_overlap"] for p in pairs)}
+    return out
+
+
+def _ci(x: dict) -> str:
+    return f"{x['tau']:.2f} [{x['lo']:.2f}, {x['hi']:.2f}]"
+
+
+def curve_notes(res: dict) -> list[str]:
+    """What the learning curves say more steps or more data would change, in numbers."""
+    lines, rising, flat = [], [], []
+    for fam, f in res["families"].items():
+        pts = f["curve"]["points"]
+        if not pts:
+            continue
+        last = pts[-1]
+        seg = (last["macro_tau"] - pts[-2]["macro_tau"]) if len(pts) > 1 else float("nan")
+        (rising if seg > RISING else flat).append(f["label"])
+        lines.append(f"- {f['label']}: held-out macro τ " + " → ".join(f"{p['macro_tau']:.2f}@{p['step']}" for p in pts) +
+                     (f" (last segment {seg:+.3f})" if len(pts) > 1 else "") +
+                     (f"; training τ̂ at the end {f['tau_hat_end']:.2f}" if f["tau_hat_end"] is not None else ""))
+    data = res["data"]
+    lines.append("")
+    if rising:
+        lines.append(f"Still rising at the end of the budget (last segment > +{RISING}): {', '.join(rising)} — more steps on "
+                     "the same data would raise their τ, so their order against the flat ones can still change.")
+    if flat:
+        lines.append(f"Flat over the last segment: {', '.join(flat)} — more steps alone would change little; more data "
+                     f"(the corpus had {data['records']} of {data['prompts']} conversations answered, "
+                     f"{data['train_conversations']} trained on) or capacity is what would move them.")
+    return lines
+
+
+def markdown(res: dict) -> str:
+    cfg, domains, fams = res["config"], res["domains"], res["families"]
+    d0, plan = res["data"], res["budget"]
+    head = "| family | γ | " + " | ".join(f"{BENCH[d]} τ [95% CI]" for d in domains) + \
+           " | macro τ [95% CI] | supervised positions | steps × anchors/seq | train time |"
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for f in fams.values():
+        rows.append(f"| {f['label']} | {f['gamma']} | " + " | ".join(_ci(f["tau"][d]) for d in domains) +
+                    f" | {_ci(f['macro'])} | {f['supervised_positions']:,} | {f['steps']} × {f['anchors_per_sequence']} |"
+                    f" {f['train_seconds'] / 60:.1f} min |")
+    sep_lines = []
+    for d in domains:
+        s = res["separation"][d]
+        pairs = "; ".join(f"{fams[p['higher']]['label']} vs {fams[p['lower']]['label']}: intervals "
+                          f"{'overlap' if p['intervals_overlap'] else 'disjoint'}, paired Δτ {p['difference']['diff']:+.2f} "
+                          f"[{p['difference']['lo']:+.2f}, {p['difference']['hi']:+.2f}]" for p in s["pairs"])
+        sep_lines.append(f"- {BENCH[d]}: {'separated' if s['separated'] else 'NOT separated'} by their intervals. {pairs}")
+    every = all(res["separation"][d]["separated"] for d in domains)
+    gamma = max(f["gamma"] for f in fams.values())
+    acc = ["| family | benchmark | " + " | ".join(f"k={k}" for k in range(1, gamma + 1)) + " |",
+           "|" + "---|" * (gamma + 2)]
+    for f in fams.values():
+        for d in domains:
+            cond = f["conditional_acceptance"][d]
+            acc.append(f"| {f['label']} | {BENCH[d]} | " + " | ".join(f"{c:.2f}" for c in cond) + " |" + " – |" * (gamma - len(cond)))
+    block, mtp = plan["block"], plan["mtp"]
+    text = [
+        "# τ by drafter family and domain (paper Table 1 protocol)", "",
+        f"Target {cfg['recipe']} ({res['commands']['target']}). Trained on {d0['train_conversations']} conversations of "
+        f"{d0['corpus']} ({d0['records']} of {d0['prompts']} prompts answered{'' if d0['complete'] else ', still regenerating'}; "
+        f"{d0['samples']} samples, {d0['loss_tokens']:,} supervised tokens). Every family: the same sample stream, "
+        f"{block['positions']:,} supervised positions for the γ = 5 families ({block['steps']} steps × {block['anchors']} "
+        f"anchors/sequence), {mtp['positions']:,} for MTP-1 ({mtp['steps']} steps × {mtp['anchors']} anchors/sequence, "
+        f"{100 * (mtp['positions'] / block['positions'] - 1):+.2f} %).",
+        f"Evaluated on {cfg['eval_prompts']} prompts per benchmark (the first of each set), {cfg['max_new_tokens']} new "
+        f"tokens, T = 1, batch {cfg['batch']}, every draft verified (no confidence scheduler), τ = accepted + 1 per round "
+        f"pooled over a benchmark's rounds; intervals: 95 % percentile bootstrap over prompts ({cfg['bootstrap_samples']} "
+        f"resamples, seed {cfg['seed']}; macro: stratified by benchmark).", "", *rows, "",
+        "## Are the families separated?", "",
+        ("Every benchmark's neighbours in the τ order have disjoint intervals." if every else
+         "**The families are not all separated by their 95 % intervals** — the order of overlapping neighbours is not "
+         "established by this evaluation."), "", *sep_lines, "",
+        "## Conditional acceptance per position", "",
+        "Rounds that verified position k with positions 1..k−1 accepted (paper §4.3.1); acceptance.png.", "", *acc, "",
+        "## Learning curves", "",
+        f"Held-out τ: speculative decoding (T = 1, {cfg['curve_new_tokens']} new tokens) of corpus prompts from the training "
+        f"mix that no family trained on, {cfg['curve_prompts']} per domain, at each kept checkpoint. Training τ̂: the "
+        "trainer's own estimate on its training batches (1 + Σ_k Π_{i≤k}(1 − TV_i)), not a decoding measurement. "
+        "learning_curves.png.", "", *curve_notes(res), "",
+        "## Commands", "", "```", res["commands"]["tool"], *res["commands"]["train"].values(), "```", "",
+        f"Stage times as measured when each ran (what a fresh run costs): training "
+        f"{res['stage_seconds']['train'] / 60:.1f} min, learning-curve points {res['stage_seconds']['curves'] / 60:.1f} min, "
+        f"benchmark evaluation {res['stage_seconds']['evaluate'] / 60:.1f} min. This invocation: "
+        f"{res['wall_seconds'] / 60:.1f} min wall (reused stages cost nothing).", ""]
+    return "\n".join(text)
+
+
+def plots(res: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dstrain.decoding import plots as P
+
+    fams, domains = res["families"], res["domains"]
+    groups = [BENCH[d] for d in domains] + ["macro"]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(groups) * max(len(fams), 2) / 2, 3.8))
+    width = 0.8 / len(fams)
+    for i, f in enumerate(fams.values()):
+        cells = [f["tau"][d] for d in domains] + [f["macro"]]
+        xs = [g + (i - (len(fams) - 1) / 2) * width for g in range(len(groups))]
+        ys = [c["tau"] for c in cells]
+        err = [[c["tau"] - c["lo"] for c in cells], [c["hi"] - c["tau"] for c in cells]]
+        ax.bar(xs, ys, width=width * 0.9, yerr=err, capsize=3, label=f["label"])
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("τ (accepted + 1 per round)")
+    ax.set_ylim(bottom=1.0)
+    ax.set_title("τ with 95 % bootstrap intervals over prompts")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "tau_ci.png", dpi=120)
+    plt.close(fig)
+
+    P.acceptance_curves({"drafters": {f["label"]: {"domains": {BENCH[d]: {"tau": f["tau"][d]["tau"],
+                                                                         "conditional_acceptance": f["conditional_acceptance"][d]}
+                                                              for d in domains}} for f in fams.values()}},
+                        out / "acceptance.png")
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for i, f in enumerate(fams.values()):
+        color = f"C{i}"
+        pts, tr = f["curve"]["points"], f["curve"]["training"]
+        ax.plot([p["step"] for p in pts], [p["macro_tau"] for p in pts], "o-", color=color, label=f"{f['label']} held-out τ")
+        ax.plot([t["step"] for t in tr], [t["tau_hat"] for t in tr], "--", color=color, alpha=0.6,
+                label=f"{f['label']} training τ̂")
+    ax.set(xlabel="training step", ylabel="τ", title="Learning curves: held-out decoding τ (solid) vs training τ̂ (dashed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "learning_curves.png", dpi=120)
+    plt.close(fig)
+
+
+def write(res: dict, out: Path) -> str:
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    text = markdown(res)
+    (out / "results.md").write_text(text)
+    plots(res, out)
+    return text
