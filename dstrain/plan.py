@@ -69,8 +69,9 @@ def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: 
     optim_b = drafter_params * (8 + master) / shard[2]  # Adam m, v (+ fp32 master weights) in fp32
     frozen = sizes.vocab_size * d * wbytes * (1 if sizes.tied_embeddings else 2)
     tokens = blocks * gamma
-    vocab_chunk = min(sizes.vocab_size, 8192)
-    drafter_act = recipe.drafter.num_layers * tokens * d * pbytes * 12 + tokens * (win + gamma) * 4 + tokens * vocab_chunk * 4 * 3
+    # the vocabulary loss's three fp32 row-chunk buffers (train/losses.py: at least 256 rows, 96 MB on the CPU)
+    loss_rows = min(tokens, max(256, 96 * 2**20 // (12 * sizes.vocab_size)))
+    drafter_act = recipe.drafter.num_layers * tokens * d * pbytes * 12 + tokens * (win + gamma) * 4 + loss_rows * sizes.vocab_size * 4 * 3
     # streamed rows are deduplicated per sequence: overlapping windows share their context rows
     context_rows = mb * min(seq, min(k, seq) * min(win, seq))
     incoming = (context_rows * m + blocks * gamma) * d * wbytes
