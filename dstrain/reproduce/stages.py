@@ -113,13 +113,13 @@ def estimates(cfg: Config, samples: int) -> list[tuple[str, str, float]]:
     2-core machine: a drafter step, the frozen target's forward per sample, and one decoding round per prompt
     (target + drafter; it grows linearly with the batch from about 10 prompts on). A GPU: ~20× less."""
     speed = 20.0 if cfg.device == "cuda" else 1.0
-    step_s = {"dspark-markov": 2.0, "dspark-rnn": 2.2, "dflash": 1.7, "dflash-anchor": 1.7, "eagle3": 1.3, "mtp": 0.6}
-    target_s = 3.0 * min(samples, cfg.steps * 2)  # once per sample per capture set, thanks to the feature cache
+    step_s = {"dspark-markov": 0.85, "dspark-rnn": 1.0, "dflash": 0.35, "dflash-anchor": 0.35, "eagle3": 0.35, "mtp": 0.4}
+    target_s = 2.6 * min(samples, cfg.steps * 2)  # once per sample per capture set, thanks to the feature cache
     plan = [("data", "data", 30.0), ("budget", "data", 0.002 * cfg.steps)]
     first_block = next((f for f in cfg.families if f != "mtp"), None)
     for fam in cfg.families:
         pays = fam in ("mtp", first_block)  # MTP-1 captures other layers: its features are a second target pass
-        plan.append((f"train {fam}", "train", (40 + cfg.steps * step_s[fam] + (target_s if pays else 0)) / speed))
+        plan.append((f"train {fam}", "train", (25 + cfg.steps * step_s[fam] + (target_s if pays else 0)) / speed))
     prompt_rounds = lambda prompts, new: 3 * prompts * (new / 1.3 + 3)  # noqa: E731  (τ ≈ 1.3 early; prefill ≈ 3 rounds)
     for fam in cfg.families:
         plan.append((f"curve {fam}", "eval", 30 + cfg.curve_points * prompt_rounds(cfg.curve_prompts, cfg.curve_new_tokens) * 0.12))
@@ -322,8 +322,9 @@ def curve_key(cfg: Config, train_key: str) -> str:
 
 
 def curve_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock: Clock) -> dict:
-    """Held-out τ (corpus prompts of the training mix, never trained on) at each kept checkpoint."""
+    """Held-out τ (corpus prompts of the training mix, never trained on) at each kept checkpoint, with its interval."""
     from dstrain.decoding import prompts as P
+    from dstrain.decoding.bootstrap import macro_interval, prompt_totals
 
     run_dir = cfg.out / "runs" / family
     key = curve_key(cfg, train["key"])
@@ -338,8 +339,9 @@ def curve_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock: Cl
     points = []
     for tag in checkpoint_tags(run_dir):
         # one batch per domain, whatever --batch is: changing it must not invalidate (and retrain for) the curves
-        res, _ = ev.run(ev.candidate(run_dir, family, tag), by_domain, cfg.curve_prompts, cfg.curve_new_tokens, cfg.seed)
-        points.append({"step": int(tag.split("-")[1]), "macro_tau": res["macro_tau"],
+        res, logs = ev.run(ev.candidate(run_dir, family, tag), by_domain, cfg.curve_prompts, cfg.curve_new_tokens, cfg.seed)
+        ci = macro_interval({d: prompt_totals(logs[d], len(by_domain[d])) for d in logs}, cfg.bootstrap_samples, seed=cfg.seed)
+        points.append({"step": int(tag.split("-")[1]), "macro_tau": res["macro_tau"], "lo": ci["lo"], "hi": ci["hi"],
                        "tau": {d: s["tau"] for d, s in res["domains"].items()}})
     if not cfg.keep_checkpoints:  # intermediate checkpoints (optimizer states included) are large; the last stays
         for tag in checkpoint_tags(run_dir)[:-1]:
