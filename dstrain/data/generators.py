@@ -102,7 +102,6 @@ class ContinuousGenerator(_LocalTarget):
         super().__init__(*args, **kwargs)
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        self.page_size = page_size
         self.cb_config = lambda longest: ContinuousBatchingConfig(
             page_size=page_size, max_requests_per_batch=self.batch_size, seed=self.sampling.seed,
             # every slot can hold its longest prompt plus a whole answer: no request is ever evicted
