@@ -104,8 +104,11 @@ def train(recipe) -> int:
 
             frozen = load_frozen_parts(recipe.target, recipe.run.seed)  # the embedding and LM head alone
             frozen.embedding.to(world.device), frozen.lm_head.to(world.device)
-            target = LazyTarget(lambda: colocated_target(recipe, world.device), world.device)
-            cache = open_store(recipe, frozen.capture_layers, world.device.type, memory=cache)
+            stored = cached_layers(recipe, frozen)
+            target_cfg = recipe.target.model_copy(update={"capture_layers": stored})
+            target = LazyTarget(lambda: colocated_target(recipe, world.device, target_cfg), world.device)
+            cache = open_store(recipe, stored, world.device.type, memory=cache,
+                               read=[stored.index(i) for i in frozen.capture_layers])
         else:
             from dstrain.targets.frozen import from_target
 
@@ -131,12 +134,28 @@ def train(recipe) -> int:
     return 0
 
 
-def colocated_target(recipe, device):
+def colocated_target(recipe, device, target_cfg=None):
     from dstrain.targets import load_target
 
-    target = load_target(recipe.target, seed=recipe.run.seed)
+    target = load_target(target_cfg or recipe.target, seed=recipe.run.seed)
     target.model.to(device)  # built on the CPU (same weights for a seed on any device), then moved
     return target
+
+
+def cached_layers(recipe, frozen) -> list[int]:
+    """The target layers the feature cache stores: train.feature_cache_layers (checked to hold the run's own), or
+    the run's capture layers."""
+    from dstrain.errors import UserError
+    from dstrain.targets.base import resolve_capture_layers
+
+    wanted = recipe.train.feature_cache_layers
+    if wanted is None:
+        return list(frozen.capture_layers)
+    layers = resolve_capture_layers(recipe.target.name, frozen.config.num_hidden_layers, wanted, len(wanted))
+    missing = [i for i in frozen.capture_layers if i not in layers]
+    if missing:
+        raise UserError(f"train.feature_cache_layers {layers} lacks the run's capture layers {missing}: add them or set it to null")
+    return layers
 
 
 def preflight(recipe):

@@ -224,6 +224,10 @@ class TrainConfig(Section):
                                           "do not use it)")
     feature_cache_gb: float = Field(4.0, gt=0.0, description="bound on the feature cache folder's size (least recently used "
                                                               "entries evicted)")
+    feature_cache_layers: list[int] | None = Field(None, description="capture these target layers into the feature cache, a "
+                                                   "superset of the run's own capture layers, which it reads from them: runs "
+                                                   "with different capture layers (the family table's MTP-1) share one target "
+                                                   "pass (null = the run's own layers)")
 
 
 class Recipe(Section):
@@ -248,6 +252,8 @@ class Recipe(Section):
         if self.train.feature_cache_dir and self.world.mode == "disaggregated":
             raise ValueError("train.feature_cache_dir applies to colocated runs (a disaggregated target streams its features):"
                              " set it to null or world.mode=colocated")
+        if self.train.feature_cache_layers is not None and not self.train.feature_cache_dir:
+            raise ValueError("train.feature_cache_layers needs train.feature_cache_dir (it says what the cache stores)")
         if self.train.warmup_steps > self.train.steps:
             raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
         if self.train.min_lr > self.train.lr:

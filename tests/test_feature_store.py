@@ -182,3 +182,30 @@ def test_the_cache_is_a_colocated_feature(tmp_path):
     out = run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", "data.shards=x", "world.mode=disaggregated",
                    f"train.feature_cache_dir={tmp_path}", "--dry-run", check=False)
     assert out.returncode == 2 and "train.feature_cache_dir applies to colocated runs" in out.stderr
+
+
+def test_a_superset_store_serves_runs_with_other_capture_layers(tmp_path, tiny):
+    """train.feature_cache_layers: one target pass stores the union of two runs' capture layers; each run reads its
+    own, equal to its own target's features, and the second run never loads the target."""
+    from dstrain.errors import UserError
+    from dstrain.main import cached_layers
+    from dstrain.targets.frozen import from_target
+
+    recipe, target, samples = tiny
+    union = sorted(set(target.capture_layers) | {target.num_layers - 1})
+    wide = load_target(recipe.target.model_copy(update={"capture_layers": union}), seed=0)
+    last_only = load_target(recipe.target.model_copy(update={"capture_layers": [target.num_layers - 1]}), seed=0)
+    cached = recipe.model_copy(update={"train": recipe.train.model_copy(update={
+        "feature_cache_dir": str(tmp_path), "feature_cache_layers": union})})
+    assert cached_layers(cached, from_target(target)) == union
+    for reader, loads_target in ((target, True), (last_only, False)):
+        store = open_store(cached, union, "cpu", read=[union.index(i) for i in reader.capture_layers])
+        counting = CountingTarget(wide)
+        got = target_features(LazyTarget(lambda: counting, "cpu"), samples, store)
+        expected = target_features(reader, samples)
+        assert got.captured.shape == expected.captured.shape
+        assert torch.equal(got.captured, expected.captured) and torch.equal(got.final_hidden, expected.final_hidden)
+        assert (counting.sequences == 4) == loads_target and store.stats["hits"] == (0 if loads_target else 4)
+    narrow = cached.model_copy(update={"train": cached.train.model_copy(update={"feature_cache_layers": [union[-1]]})})
+    with pytest.raises(UserError, match="lacks the run's capture layers"):
+        cached_layers(narrow, from_target(target))

@@ -136,6 +136,13 @@ def test_reproduce_table_end_to_end_and_resume(tiny_world):
         assert run["anchors"]["per_sequence"] == f["anchors_per_sequence"] and run["train"]["steps"] == f["steps"]
         assert run["train"]["feature_cache_dir"] == str(out / "feature_cache")
         assert sorted(p.name for p in (out / "runs" / fam / "checkpoints").glob("step-*")) == [f"step-{f['steps']}"]
+    # one target pass: the cache holds the recipe's capture layers and the last one, and MTP-1 reads it from there
+    cache = {fam: json.loads((out / "runs" / fam / "summary.json").read_text())["feature_cache"] for fam in fams}
+    layers = yaml.safe_load((out / "runs" / "mtp" / "recipe.yaml").read_text())["train"]["feature_cache_layers"]
+    assert layers[-1] == yaml.safe_load((out / "runs" / "mtp" / "recipe.yaml").read_text())["target"]["capture_layers"][0]
+    assert cache["mtp"]["feature_cache/hits"] > 0 and cache["dspark-markov"]["feature_cache/misses"] > 0
+    if fams["mtp"]["steps"] == fams["dspark-markov"]["steps"]:
+        assert cache["mtp"]["feature_cache/misses"] == 0, cache["mtp"]
     block, mtp = fams["dspark-markov"]["supervised_positions"], fams["mtp"]["supervised_positions"]
     assert abs(mtp / block - 1) < 0.05 and fams["mtp"]["anchors_per_sequence"] > fams["dspark-markov"]["anchors_per_sequence"]
     assert fams["mtp"]["gamma"] == 1 and fams["dspark-markov"]["gamma"] == 5

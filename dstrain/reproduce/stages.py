@@ -114,11 +114,11 @@ def estimates(cfg: Config, samples: int) -> list[tuple[str, str, float]]:
     (target + drafter; it grows linearly with the batch from about 10 prompts on). A GPU: ~20× less."""
     speed = 20.0 if cfg.device == "cuda" else 1.0
     step_s = {"dspark-markov": 0.85, "dspark-rnn": 1.0, "dflash": 0.35, "dflash-anchor": 0.35, "eagle3": 0.35, "mtp": 0.4}
-    target_s = 2.6 * min(samples, cfg.steps * 2)  # once per sample per capture set, thanks to the feature cache
+    target_s = 2.6 * min(samples, cfg.steps * 2)  # once per sample, thanks to the feature cache (or per family without)
     plan = [("data", "data", 30.0), ("budget", "data", 0.002 * cfg.steps)]
-    first_block = next((f for f in cfg.families if f != "mtp"), None)
     for fam in cfg.families:
-        pays = fam in ("mtp", first_block)  # MTP-1 captures other layers: its features are a second target pass
+        # the first family fills the cache (MTP-1's last layer included); without one each family runs the target
+        pays = cfg.feature_cache is None or fam == cfg.families[0]
         plan.append((f"train {fam}", "train", (25 + cfg.steps * step_s[fam] + (target_s if pays else 0)) / speed))
     prompt_rounds = lambda prompts, new: 3 * prompts * (new / 1.3 + 3)  # noqa: E731  (τ ≈ 1.3 early; prefill ≈ 3 rounds)
     for fam in cfg.families:
@@ -176,6 +176,8 @@ def budget(cfg: Config, recipe, data: dict, clock: Clock) -> dict:
 
 # --------------------------------------------------------------------------------------------- training
 def train_overrides(cfg: Config, recipe, family: str, plan: dict, target_layers: int) -> list[str]:
+    from dstrain.targets.base import resolve_capture_layers
+
     share = plan["mtp"] if family == "mtp" else plan["block"]
     steps = share["steps"]
     ov = [f"data.shards={cfg.out / 'data' / 'shards'}", f"run.output_dir={cfg.out / 'runs'}", f"run.name={family}",
@@ -183,8 +185,12 @@ def train_overrides(cfg: Config, recipe, family: str, plan: dict, target_layers:
           f"train.warmup_steps={min(recipe.train.warmup_steps, steps // 5)}", f"train.log_every={max(1, steps // 50)}",
           f"train.checkpoint_every={math.ceil(steps / cfg.curve_points)}", f"train.keep_checkpoints={cfg.curve_points + 1}",
           f"anchors.per_sequence={share['anchors']}", *family_overrides(family, target_layers)]
-    if cfg.feature_cache is not None:  # one on-disk cache of target features for every family (train/feature_store.py)
-        ov += [f"train.feature_cache_dir={cfg.feature_cache}", f"train.feature_cache_gb={cfg.feature_cache_gb}"]
+    if cfg.feature_cache is not None:  # one on-disk cache of target features for every family (train/feature_store.py),
+        # holding the recipe's capture layers and MTP-1's last layer: one target pass serves them all
+        union = sorted(set(resolve_capture_layers(recipe.target.name, target_layers, recipe.target.capture_layers,
+                                                  recipe.target.num_capture)) | {target_layers - 1})
+        ov += [f"train.feature_cache_dir={cfg.feature_cache}", f"train.feature_cache_gb={cfg.feature_cache_gb}",
+               f"train.feature_cache_layers=[{','.join(map(str, union))}]"]
     return ov
 
 

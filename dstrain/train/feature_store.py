@@ -141,7 +141,11 @@ class FeatureStore:
     """Per-sample features on disk (optionally behind the in-memory step.FeatureCache), keyed by `sample_key`.
 
     `get`/`put` take the sample key; the counters (hits, misses, corrupt entries, bytes) feed the run's metrics.
+    `layer_index`: entries hold more capture layers than the run reads (train.feature_cache_layers); step's
+    target_features picks these positions out of the captured axis after a hit or a target pass.
     """
+
+    layer_index: list[int] | None = None
 
     def __init__(self, root: str | Path, max_bytes: int, namespace: str, memory=None):
         self.root, self.max_bytes, self.memory = Path(root), int(max_bytes), memory
@@ -273,8 +277,9 @@ class LazyTarget:
         return self.target(input_ids, attention_mask)
 
 
-def open_store(recipe, capture_layers: list[int], device_kind: str, memory=None) -> FeatureStore | None:
-    """The run's store from `train.feature_cache_dir` / `train.feature_cache_gb` (None when off)."""
+def open_store(recipe, capture_layers: list[int], device_kind: str, memory=None, read: list[int] | None = None) -> FeatureStore | None:
+    """The run's store from `train.feature_cache_dir` / `train.feature_cache_gb` (None when off). `capture_layers`:
+    what its entries hold; `read`: the positions among them the run's drafter reads (None: all, in order)."""
     t = recipe.train
     if not t.feature_cache_dir:
         return None
@@ -284,7 +289,10 @@ def open_store(recipe, capture_layers: list[int], device_kind: str, memory=None)
     try:
         fingerprint = target_fingerprint(recipe.target, recipe.run.seed, Path(t.feature_cache_dir))
         ns = namespace_of(fingerprint, capture_layers, DTYPES[recipe.target.dtype], device_kind)
-        return FeatureStore(t.feature_cache_dir, int(t.feature_cache_gb * 2**30), ns, memory)
+        store = FeatureStore(t.feature_cache_dir, int(t.feature_cache_gb * 2**30), ns, memory)
     except OSError as exc:
         raise UserError(f"train.feature_cache_dir {t.feature_cache_dir}: cannot use it ({exc.strerror or exc}); "
                         "point it at a writable folder or set it to null") from None
+    if read is not None and read != list(range(len(capture_layers))):
+        store.layer_index = list(read)
+    return store

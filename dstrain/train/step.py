@@ -86,7 +86,9 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
             if cache is not None:
                 cache.put(k, *(t.cpu() for t in found[k]))
     parts = [found[k] for k in keys]
-    return TargetFeatures(torch.cat([c.to(device) for c, _ in parts]), torch.cat([f.to(device) for _, f in parts]))
+    pick = getattr(cache, "layer_index", None)  # the cache holds more layers than this run reads
+    captured = [c if pick is None else c[:, pick] for c, _ in parts]
+    return TargetFeatures(torch.cat([c.to(device) for c in captured]), torch.cat([f.to(device) for _, f in parts]))
 
 
 def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int) -> PackedBlocks:
