@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from dstrain.data.anchors import IGNORE, anchor_generator, block_labels, candidate_anchors, sample_anchors
 from dstrain.data.packing import pack_blocks
-from dstrain.models.attention import KeyGroups, block_attention
+from dstrain.models.attention import KeyGroups, _rounded, block_attention
 
 
 def test_candidates_labels_and_sampler():
@@ -110,6 +110,13 @@ def test_grouped_keys_share_the_context_without_a_window():
     copied = sum(b.key_index.numel() for b in groups.buckets)
     per_block = int((p.key_index >= 0).sum())
     assert copied < per_block / 4, (copied, per_block)  # each block copying up to T keys is what this removes
+    # the query-key pairs the buckets compute stay close to what the blocks need: 1.15x here (grouping slack 1.2,
+    # buckets rounded to quarter steps between powers of two); power-of-two buckets computed 1.55x
+    work = sum(b.blocks.numel() * 5 * (b.key_index.shape[1] + b.blocks.shape[1] * 5) for b in groups.buckets)
+    need = 5 * (per_block + 5 * p.num_blocks)
+    assert work <= 1.3 * need, (work / need)
+    for width in range(1, 5000):
+        assert width <= _rounded(width, 4) <= width * 1.25 and _rounded(width, 0) == 1 << (width - 1).bit_length()
     # a block whose keys are not one contiguous range of rows falls back to per-block gathering
     scrambled = p.key_index.clone()
     scrambled[-1, -1] = 0

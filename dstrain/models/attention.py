@@ -13,8 +13,10 @@ Two layouts, equal up to summation order (tests/test_packing.py checks both agai
               its own block keys. Groups grow while their attention work stays within `slack` of what the
               blocks need on their own, so without a window a sequence's blocks share its keys (DeepSpec's
               layout, without its [all queries × all queries] block part), and with a window close anchors
-              share their overlapping windows. Groups are batched by key length (powers of two), so padding
-              costs at most 2×.
+              share their overlapping windows. Groups are batched by key length and group size, each rounded
+              up to one of `steps` sizes per power of two (padding ≤ 1/steps); rounding to powers of two
+              padded 512 anchors on 8192 tokens to 1.57× the needed query-key pairs, this to 1.14× (attention
+              forward and backward 2.5 → 1.7 s per layer on one Zen 4 core, slack 1.5 → 1.2 included).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ class KeyGroups:
     order: torch.Tensor  # [N] position in the concatenated bucket outputs of each block
 
     @staticmethod
-    def build(key_index: torch.Tensor, slots: int, slack: float = 1.5, max_group: int = 64,
-              min_saving: float = 0.5) -> "KeyGroups | None":
+    def build(key_index: torch.Tensor, slots: int, slack: float = 1.2, max_group: int = 64,
+              min_saving: float = 0.5, steps: int = 4) -> "KeyGroups | None":
         """Groups for key_index [N, Wk]; None when some block's keys are not one contiguous range of rows, or when
         grouping would copy more than (1 − min_saving) of the per-block layout's keys (then the per-block layout,
         with fewer and larger operations, is the better one: e.g. a short window and anchors far apart)."""
@@ -79,8 +81,8 @@ class KeyGroups:
         if copied > (1 - min_saving) * key_index.numel():
             return None
         for grp in groups:
-            width = max(grp[3] - grp[2], 1)
-            by_size.setdefault(1 << (width - 1).bit_length(), []).append(grp)
+            by_size.setdefault((_rounded(max(grp[3] - grp[2], 1), steps), _rounded(grp[1] - grp[0], steps) if steps else 0),
+                               []).append(grp)
         buckets, placed = [], []
         for _, members in sorted(by_size.items()):
             g_max = max(e - s for s, e, _, _ in members)
@@ -96,6 +98,16 @@ class KeyGroups:
         order = torch.empty(len(lo_l), dtype=torch.long)
         order[torch.cat(placed)] = torch.arange(len(lo_l))
         return KeyGroups(buckets, order.to(device))
+
+
+def _rounded(width: int, steps: int) -> int:
+    """`width` rounded up to one of `steps` evenly spaced sizes in (top/2, top], top its power of two (≤ 1/steps
+    added), exact below 2·steps; steps 0 or 1: the power of two."""
+    top = 1 << (width - 1).bit_length()
+    if steps <= 1 or top < 2 * steps:
+        return top if steps <= 1 else width
+    unit = top // (2 * steps)
+    return -(-width // unit) * unit
 
 
 def _grouped(q, k_blk, v_blk, k_ctx, v_ctx, plan: KeyGroups, scale):
