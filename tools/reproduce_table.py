@@ -28,7 +28,7 @@ from dstrain.errors import UserError, cli_main  # noqa: E402
 
 # Sized to finish in about 2.5 h on 2 CPU cores with today's corpus (measured stage times in README); the
 # evaluation protocol (30 prompts, 128 tokens, T = 1) is fixed by the paper, the training budget is what gives.
-FULL = {"steps": 400, "eval_prompts": 30, "max_new_tokens": 128, "batch": 10, "curve_points": 3, "curve_prompts": 3,
+FULL = {"steps": 400, "eval_prompts": 30, "max_new_tokens": 128, "batch": 30, "curve_points": 3, "curve_prompts": 3,
         "curve_new_tokens": 48}
 QUICK = {"steps": 6, "eval_prompts": 3, "max_new_tokens": 16, "batch": 3, "curve_points": 2, "curve_prompts": 1,
          "curve_new_tokens": 8}

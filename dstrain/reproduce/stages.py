@@ -111,7 +111,9 @@ class Clock:
 def estimates(cfg: Config, samples: int) -> list[tuple[str, str, float]]:
     """Stage names, kinds and first-guess seconds. CPU numbers measured at SmolLM2-MoE sizes, one thread on a busy
     2-core machine: a drafter step, the frozen target's forward per sample, and one decoding round per prompt
-    (target + drafter; it grows linearly with the batch from about 10 prompts on). A GPU: ~20× less."""
+    (target + drafter). A verify round of the SmolLM2-MoE target costs about 0.27 s + 0.042 s per prompt on one
+    core (it reads every expert's weights whatever the batch: 0.68 / 1.10 / 1.51 s at 10 / 20 / 30 prompts × 6
+    tokens), scaled to the busy-machine 0.12 s per prompt-round measured at batch 10. A GPU: ~20× less."""
     speed = 20.0 if cfg.device == "cuda" else 1.0
     step_s = {"dspark-markov": 0.85, "dspark-rnn": 1.0, "dflash": 0.35, "dflash-anchor": 0.35, "eagle3": 0.35, "mtp": 0.4}
     target_s = 2.6 * min(samples, cfg.steps * 2)  # once per sample, thanks to the feature cache (or per family without)
@@ -121,9 +123,12 @@ def estimates(cfg: Config, samples: int) -> list[tuple[str, str, float]]:
         pays = cfg.feature_cache is None or fam == cfg.families[0]
         plan.append((f"train {fam}", "train", (25 + cfg.steps * step_s[fam] + (target_s if pays else 0)) / speed))
     prompt_rounds = lambda prompts, new: 3 * prompts * (new / 1.3 + 3)  # noqa: E731  (τ ≈ 1.3 early; prefill ≈ 3 rounds)
+    per_round = lambda batch: 1.74 * (0.27 / batch + 0.042)  # noqa: E731  (seconds per prompt-round; 0.12 at batch 10)
     for fam in cfg.families:
-        plan.append((f"curve {fam}", "eval", 30 + cfg.curve_points * prompt_rounds(cfg.curve_prompts, cfg.curve_new_tokens) * 0.12))
-        plan.append((f"evaluate {fam}", "eval", 30 + prompt_rounds(cfg.eval_prompts, cfg.max_new_tokens) * 0.12))
+        plan.append((f"curve {fam}", "eval", 30 + cfg.curve_points * prompt_rounds(cfg.curve_prompts, cfg.curve_new_tokens)
+                     * per_round(cfg.curve_prompts)))  # one batch per domain
+        plan.append((f"evaluate {fam}", "eval", 30 + prompt_rounds(cfg.eval_prompts, cfg.max_new_tokens)
+                     * per_round(min(cfg.batch, cfg.eval_prompts))))
     return plan
 
 
