@@ -66,3 +66,23 @@ def test_corpus_of_another_target_or_tampered_is_refused(tmp_path, default_targe
         corpus.unpack(mine, tmp_path / "x.jsonl")
     proc = run_tool("tools/pack_corpus.py", tmp_path / "nothing", check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "prompts.jsonl" in proc.stderr
+
+
+def test_demo_trains_from_scratch_when_its_data_changed(tmp_path):
+    """make demo resumes its training run, but a run trained on other data (an older corpus) would be refused by the
+    trainer's resume check: the demo moves it aside and starts fresh; the same data resumes."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from demo import start_fresh_if_data_changed
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # a run from before the marker existed
+    start_fresh_if_data_changed(run, "a")
+    assert (tmp_path / "run-previous" / "checkpoints").is_dir() and not (run / "checkpoints").exists()
+    (run / "checkpoints").mkdir()
+    start_fresh_if_data_changed(run, "a")  # same data: the run stays and resumes
+    assert (run / "checkpoints").is_dir()
+    start_fresh_if_data_changed(run, "b")  # new data: moved aside again, replacing the older backup
+    assert not (run / "checkpoints").exists() and (tmp_path / "run-previous" / "checkpoints").is_dir()
+    assert json.loads((run / "demo_data.json").read_text()) == {"key": "b"}

@@ -11,7 +11,9 @@ on → RUN_DIR/summary.json with losses, τ̂ at the start and the end, and the 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -94,11 +96,12 @@ def main() -> int:
     print(f"[4/6] shards: {built['counts']['samples']} samples, {built['counts']['loss_tokens']} supervised tokens; loader read {samples}")
 
     t = time.perf_counter()
+    run_folder = Path(recipe.run.output_dir) / recipe.run.name
+    start_fresh_if_data_changed(run_folder, data_key(inputs, recipe))
     cmd = [sys.executable, "dstrain/main.py", args.recipe] + ([f"train.steps={args.steps}"] if args.steps else [])
     if subprocess.run(cmd).returncode != 0:
         raise UserError("the training stage failed (its error is printed above)")
     timings["train_s"] = time.perf_counter() - t
-    run_folder = Path(recipe.run.output_dir) / recipe.run.name
     train = json.loads((run_folder / "summary.json").read_text())
     keys = ("step", "loss", "loss_ce", "loss_tv", "loss_conf", "tau_hat", "calibration_error", "supervised_positions_per_s")
     summary["train"] = {"start": {k: train["first"].get(k) for k in keys}, "end": {k: train["last"].get(k) for k in keys}}
@@ -123,6 +126,31 @@ def main() -> int:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"summary: {run_dir / 'summary.json'}")
     return 0
+
+
+def data_key(inputs: list[str], recipe) -> str:
+    """What the demo trains on: its input conversations (the unpacked corpus split, the fresh answers) and how they
+    are tokenized. Shard files themselves are not compared: rebuilding them rewrites their tar headers."""
+    h = hashlib.sha256(json.dumps({"target": recipe.target.name, "max_length": recipe.data.max_length}).encode())
+    for path in inputs:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def start_fresh_if_data_changed(run_folder: Path, key: str) -> None:
+    """The trainer resumes from the run's last checkpoint and refuses other shards. A demo whose data changed (a
+    newer corpus) trains from scratch instead; the old run is kept beside it as RUN-previous."""
+    marker = run_folder / "demo_data.json"
+    stale = (run_folder / "checkpoints").exists() and (
+        not marker.is_file() or json.loads(marker.read_text()).get("key") != key)
+    if stale:
+        backup = run_folder.with_name(run_folder.name + "-previous")
+        shutil.rmtree(backup, ignore_errors=True)
+        run_folder.rename(backup)
+        print(f"      the training data changed since {run_folder} was trained: training from scratch "
+              f"(the old run is now {backup})")
+    run_folder.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"key": key}))
 
 
 if __name__ == "__main__":
