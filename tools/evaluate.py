@@ -37,11 +37,13 @@ def parse_args(argv=None):
     ap.add_argument("--sps", help="SPS table (tools/profile_sps.py): verify what the Algorithm 2 scheduler admits per batch")
     ap.add_argument("--no-baseline", action="store_true", help="skip the target-alone speed run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the target and drafters decode (default %(default)s)")
     ap.add_argument("--out", default="runs/eval", help="output folder (default %(default)s)")
     return ap.parse_args(argv)
 
 
-def load_candidates(specs: list[str], recipe: str | None, gamma: int | None):
+def load_candidates(specs: list[str], recipe: str | None, gamma: int | None, device: str = "cpu"):
     from dstrain.errors import UserError
     from dstrain.decoding import artifacts
     from dstrain.decoding.evaluation import Candidate
@@ -53,11 +55,12 @@ def load_candidates(specs: list[str], recipe: str | None, gamma: int | None):
     from dstrain.targets.hf import HFTarget
 
     target = artifacts.load_target_for(arts[0])
+    target.model.to(device)  # the decoder runs where the target's weights are
     cands = []
     for art in arts:
         wanted = art.target_cfg.get("capture_layers")
         own = target if not wanted or list(wanted) == target.capture_layers else HFTarget(target.model, target.name, list(wanted))
-        drafter = artifacts.build(art, own)  # the same weights; only which layers are captured differs
+        drafter = artifacts.build(art, own).to(device)  # the same weights; only which layers are captured differs
         block = art.drafter_cfg["block_size"]
         if gamma is not None and art.drafter_cfg["type"] == "mtp" and gamma != 1:
             raise UserError(f"--gamma {gamma}: {art.name} is an MTP-1 drafter and proposes exactly one token")
@@ -83,7 +86,11 @@ def run(args) -> int:
         policy = LengthPolicy("scheduler", sps=load_table(args.sps)[0])
     else:
         policy = LengthPolicy("threshold", args.threshold) if args.threshold is not None else LengthPolicy()
-    target, cands, target_cfg = load_candidates(args.drafter, args.recipe, args.gamma)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        from dstrain.errors import UserError
+
+        raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device; run with --device cpu")
+    target, cands, target_cfg = load_candidates(args.drafter, args.recipe, args.gamma, args.device)
     tokenizer = P.load_tokenizer(target_cfg)
     if args.prompts:
         records, report = P.prompt_file(args.prompts, args.limit)

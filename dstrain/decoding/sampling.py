@@ -38,14 +38,14 @@ def verify(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, lengths: torc
     leading drafts accepted, then the token that ends the round — drawn from norm(max(p − q, 0)) at
     the first rejection, or from p after the last verified draft (the bonus) when all were accepted.
     """
-    r_idx = torch.arange(drafts.shape[0])
+    r_idx = torch.arange(drafts.shape[0], device=drafts.device)
     gamma = drafts.shape[1]
     if gamma == 0:
         return torch.zeros_like(lengths), sample(p[:, 0], generator)
     p_d = p[:, :gamma].gather(-1, drafts[..., None])[..., 0]
     q_d = q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(drafts.shape, generator=generator)
-    ok = (u * q_d < p_d) & (torch.arange(gamma)[None, :] < lengths[:, None])  # u < p/q without dividing by 0
+    u = torch.rand(drafts.shape, generator=generator, device=drafts.device)
+    ok = (u * q_d < p_d) & (torch.arange(gamma, device=drafts.device)[None, :] < lengths[:, None])  # u < p/q without dividing by 0
     accepted = ok.long().cumprod(1).sum(1)
     rejected = accepted < lengths
     at = accepted.clamp(max=gamma - 1)

@@ -22,36 +22,40 @@ class TargetSession:
         from transformers import DynamicCache
 
         self.target = target
+        self.device = dev = target.lm_head.weight.device  # every index and token tensor lives beside the target
         self.cache = DynamicCache()
         width = max(len(p) for p in prompts)
         rows = len(prompts)
-        self.prompt_len = torch.tensor([len(p) for p in prompts])
+        self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
         # left padding: every row's last prompt token is in the last column
-        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1]) for p in prompts], batch_first=True).flip(1)
-        self.mask = (torch.arange(width)[None, :] >= (width - self.prompt_len)[:, None]).long()
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1], device=dev) for p in prompts], batch_first=True).flip(1)
+        self.mask = (torch.arange(width, device=dev)[None, :] >= (width - self.prompt_len)[:, None]).long()
         positions = (self.mask.cumsum(1) - 1).clamp(min=0)
         out = target(ids, self.mask, positions, self.cache)
         cap = width + capacity
-        self.tokens = torch.zeros(rows, cap, dtype=torch.long)
+        self.tokens = torch.zeros(rows, cap, dtype=torch.long, device=dev)
         self.features = out.captured.new_zeros(rows, cap, *out.captured.shape[2:])
         shift = width - self.prompt_len  # right-align → left-align per row
-        col = torch.arange(width)[None, :] + shift[:, None]
+        col = torch.arange(width, device=dev)[None, :] + shift[:, None]
         take = col.clamp(max=width - 1)
         inside = col < width
         self.tokens[:, :width] = torch.where(inside, ids.gather(1, take), 0)
-        self.features[:, :width] = torch.where(inside[..., None, None], out.captured[torch.arange(rows)[:, None], take], 0)
+        self.features[:, :width] = torch.where(inside[..., None, None], out.captured[torch.arange(rows, device=dev)[:, None], take], 0)
         self.lengths = self.prompt_len.clone()  # tokens so far; all but the last are processed
         self.last_hidden = out.final_hidden[:, -1]  # [R, d] the target's state after each prompt
-        self.ids = torch.arange(rows)  # which original request each row is
+        self.ids = torch.arange(rows, device=dev)  # which original request each row is
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def arange(self, n: int) -> torch.Tensor:
+        return torch.arange(n, device=self.device)
+
     def append(self, new: torch.Tensor, count: torch.Tensor) -> None:
         """Append the first count[r] tokens of new[r] to request r (unprocessed yet)."""
-        dest = self.lengths[:, None] + torch.arange(new.shape[1])[None, :]
-        ok = torch.arange(new.shape[1])[None, :] < count[:, None]
-        rows = torch.arange(len(self))[:, None].expand_as(dest)
+        dest = self.lengths[:, None] + self.arange(new.shape[1])[None, :]
+        ok = self.arange(new.shape[1])[None, :] < count[:, None]
+        rows = self.arange(len(self))[:, None].expand_as(dest)
         self.tokens[rows[ok], dest[ok]] = new[ok]
         self.lengths = self.lengths + count
 
@@ -61,35 +65,35 @@ class TargetSession:
         rows = len(self)
         anchor = self.lengths - 1
         wk = int(anchor.max()) if window is None else min(window, int(anchor.max()))
-        pos = anchor[:, None] - wk + torch.arange(wk)[None, :]
+        pos = anchor[:, None] - wk + self.arange(wk)[None, :]
         ok = pos >= 0
         safe = pos.clamp(min=0)
-        r_idx = torch.arange(rows)[:, None]
-        anchor_tok = self.tokens[torch.arange(rows), anchor]
-        block_pos = anchor[:, None] + torch.arange(gamma)[None, :]
-        block_tokens = torch.zeros(rows, gamma, dtype=torch.long)
+        r_idx = self.arange(rows)[:, None]
+        anchor_tok = self.tokens[self.arange(rows), anchor]
+        block_pos = anchor[:, None] + self.arange(gamma)[None, :]
+        block_tokens = torch.zeros(rows, gamma, dtype=torch.long, device=self.device)
         block_tokens[:, 0] = anchor_tok
         packed = PackedBlocks(
             block_tokens=block_tokens, block_pos=block_pos, prev_tokens=block_tokens.clone(),
-            labels=torch.full((rows, gamma), IGNORE), ctx_rows=torch.arange(rows * wk), ctx_pos=safe.reshape(-1),
-            ctx_next_tokens=self.tokens[r_idx, (safe + 1).clamp(max=self.tokens.shape[1] - 1)].reshape(-1),
-            key_index=torch.where(ok, torch.arange(rows * wk).view(rows, wk), torch.full_like(pos, -1)),
-            final_rows=block_pos, seq_index=torch.arange(rows), anchors=anchor)
+            labels=torch.full((rows, gamma), IGNORE, device=self.device), ctx_rows=self.arange(rows * wk),
+            ctx_pos=safe.reshape(-1), ctx_next_tokens=self.tokens[r_idx, (safe + 1).clamp(max=self.tokens.shape[1] - 1)].reshape(-1),
+            key_index=torch.where(ok, self.arange(rows * wk).view(rows, wk), torch.full_like(pos, -1)),
+            final_rows=block_pos, seq_index=self.arange(rows), anchors=anchor)
         return packed, self.features[r_idx, safe].reshape(rows * wk, *self.features.shape[2:])
 
     def extend(self, tokens: torch.Tensor, valid: torch.Tensor):
         """Run the target on new slots [R, n] (valid [R, n]: slots a row really fills; they come first)."""
-        positions = (self.lengths - 1)[:, None] + torch.arange(tokens.shape[1])[None, :]
+        positions = (self.lengths - 1)[:, None] + self.arange(tokens.shape[1])[None, :]
         self.mask = torch.cat([self.mask, valid.long()], dim=1)
         return self.target(tokens, self.mask, positions, self.cache)
 
     def commit(self, kept: torch.Tensor, captured: torch.Tensor) -> None:
         """Of the n slots just written, row r keeps its first kept[r]: their features become context."""
         n = captured.shape[1]
-        ok = torch.arange(n)[None, :] < kept[:, None]
+        ok = self.arange(n)[None, :] < kept[:, None]
         self.mask[:, -n:] &= ok.long()
-        dest = (self.lengths - 1)[:, None] + torch.arange(n)[None, :]
-        rows = torch.arange(len(self))[:, None].expand_as(dest)
+        dest = (self.lengths - 1)[:, None] + self.arange(n)[None, :]
+        rows = self.arange(len(self))[:, None].expand_as(dest)
         self.features[rows[ok], dest[ok]] = captured[ok]
 
     def keep_rows(self, keep: torch.Tensor) -> None:

@@ -125,10 +125,10 @@ def estimates(cfg: Config, samples: int) -> list[tuple[str, str, float]]:
     prompt_rounds = lambda prompts, new: 3 * prompts * (new / 1.3 + 3)  # noqa: E731  (τ ≈ 1.3 early; prefill ≈ 3 rounds)
     per_round = lambda batch: 1.74 * (0.27 / batch + 0.042)  # noqa: E731  (seconds per prompt-round; 0.12 at batch 10)
     for fam in cfg.families:
-        plan.append((f"curve {fam}", "eval", 30 + cfg.curve_points * prompt_rounds(cfg.curve_prompts, cfg.curve_new_tokens)
-                     * per_round(cfg.curve_prompts)))  # one batch per domain
-        plan.append((f"evaluate {fam}", "eval", 30 + prompt_rounds(cfg.eval_prompts, cfg.max_new_tokens)
-                     * per_round(min(cfg.batch, cfg.eval_prompts))))
+        plan.append((f"curve {fam}", "eval", (30 + cfg.curve_points * prompt_rounds(cfg.curve_prompts, cfg.curve_new_tokens)
+                     * per_round(cfg.curve_prompts)) / speed))  # one batch per domain
+        plan.append((f"evaluate {fam}", "eval", (30 + prompt_rounds(cfg.eval_prompts, cfg.max_new_tokens)
+                     * per_round(min(cfg.batch, cfg.eval_prompts))) / speed))
     return plan
 
 
@@ -264,12 +264,12 @@ def training_curve(run_dir: Path) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------- evaluation
 class Evaluator:
-    """The frozen target loaded once for every family's evaluation (CPU: the decoder builds its tensors there)."""
+    """The frozen target loaded once for every family's evaluation, on `device` (the decoder runs where it is)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, device: str = "cpu"):
         """`run_dir`: a family whose capture layers are the recipe's (MTP-1's are the last layer only). The target
         loads on first use, so a rerun whose evaluations are all reused never loads it."""
-        self.run_dir, self._target = run_dir, None
+        self.run_dir, self.device, self._target = run_dir, device, None
 
     @property
     def target(self):
@@ -282,6 +282,7 @@ class Evaluator:
             art = artifacts.DrafterArtifact("base", self.run_dir, tree["drafter"], tree["target"], {}, None,
                                             target_seed=tree.get("run", {}).get("seed", 0))
             self._target = artifacts.load_target_for(art)  # families with other capture layers get a view of it
+            self._target.model.to(self.device)
             self.tokenizer = P.load_tokenizer(tree["target"])
             self.eos = P.end_of_turn_ids(self.tokenizer)
         return self._target
@@ -298,7 +299,7 @@ class Evaluator:
         wanted = art.target_cfg.get("capture_layers")
         t = self.target
         own = t if not wanted or list(wanted) == t.capture_layers else HFTarget(t.model, t.name, list(wanted))
-        drafter = artifacts.build(art, own)
+        drafter = artifacts.build(art, own).to(self.device)
         return Candidate(name, drafter, art.drafter_cfg["block_size"], art.drafter_cfg.get("sliding_window"), art.steps,
                          None, own if own is not t else None)
 
