@@ -29,21 +29,21 @@ class TargetSession:
         self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
         # left padding: every row's last prompt token is in the last column
         ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1], device=dev) for p in prompts], batch_first=True).flip(1)
-        self.mask = (torch.arange(width, device=dev)[None, :] >= (width - self.prompt_len)[:, None]).long()
+        self.mask = (self.arange(width)[None, :] >= (width - self.prompt_len)[:, None]).long()
         positions = (self.mask.cumsum(1) - 1).clamp(min=0)
         out = target(ids, self.mask, positions, self.cache)
         cap = width + capacity
         self.tokens = torch.zeros(rows, cap, dtype=torch.long, device=dev)
         self.features = out.captured.new_zeros(rows, cap, *out.captured.shape[2:])
         shift = width - self.prompt_len  # right-align → left-align per row
-        col = torch.arange(width, device=dev)[None, :] + shift[:, None]
+        col = self.arange(width)[None, :] + shift[:, None]
         take = col.clamp(max=width - 1)
         inside = col < width
         self.tokens[:, :width] = torch.where(inside, ids.gather(1, take), 0)
-        self.features[:, :width] = torch.where(inside[..., None, None], out.captured[torch.arange(rows, device=dev)[:, None], take], 0)
+        self.features[:, :width] = torch.where(inside[..., None, None], out.captured[self.arange(rows)[:, None], take], 0)
         self.lengths = self.prompt_len.clone()  # tokens so far; all but the last are processed
         self.last_hidden = out.final_hidden[:, -1]  # [R, d] the target's state after each prompt
-        self.ids = torch.arange(rows, device=dev)  # which original request each row is
+        self.ids = self.arange(rows)  # which original request each row is
 
     def __len__(self) -> int:
         return len(self.ids)
