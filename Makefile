@@ -41,8 +41,10 @@ test-fast: install
 dry-run: install
 	for r in recipes/*.yaml; do $(PY) dstrain/main.py $$r --dry-run > /dev/null || exit 1; echo "dry-run ok: $$r"; done
 
+# The demo is one process at a time: it may use every core (1 thread: ~29 min on 2 cores, 2 threads: ~18 min).
+DEMO_THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 demo: install
-	$(PY) tools/demo.py
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(PY) tools/demo.py
 
 # On the demo's run: export, STS-calibrate on held-out prompts, evaluate on the benchmark sets (small limits for CPU).
 eval-demo: install
