@@ -34,13 +34,64 @@ def test_shipped_corpus_belongs_to_the_default_target(tmp_path, default_target):
     train = corpus.unpack(corpus.DEFAULT, tmp_path / "train.jsonl", "train")
     held = corpus.unpack(corpus.DEFAULT, tmp_path / "held.jsonl", "held_out")
     train_ids = {json.loads(line)["id"] for line in open(tmp_path / "train.jsonl")}
-    assert train + held == n and held > 0 and not train_ids & set(man["held_out"]["ids"])
+    dropped = man["held_out"]["dropped_duplicates"]
+    assert train + held + len(dropped) == n and held > 0 and not train_ids & set(man["held_out"]["ids"])
+    assert not train_ids & set(dropped) and set(dropped.values()) <= train_ids | set(man["held_out"]["ids"])
     assert corpus.held_out_prompts(corpus.DEFAULT, tmp_path / "hp.jsonl") == len(man["held_out"]["ids"])
-    # not from the evaluation sets (the prompts tool promises it; the shipped file keeps it)
+    # not from the evaluation sets, exactly or nearly (the prompts tool promises it; the shipped file keeps it)
+    from dstrain.data.split import leaks
     from dstrain.decoding.prompts import benchmark_prompts
 
-    bench = {t for p in benchmark_prompts(["math", "code", "chat"], None) for t in p["turns"]}
-    assert not bench & {t for p in prompts.values() for t in p["turns"]}
+    bench = benchmark_prompts(["math", "code", "chat"], None)
+    assert not {t for p in bench for t in p["turns"]} & {t for p in prompts.values() for t in p["turns"]}
+    assert leaks(list(prompts.values()), bench) == []
+
+
+def test_held_out_split_is_held_out():
+    """No held-out prompt has an exact (normalised first turn) or near duplicate (8-gram overlap >= 0.5) among the
+    training prompts; the manifest holds the split the rule gives today; every domain has 30 held-out prompts for a
+    learning curve. Mutation caught: the old `sha256(id) % 20` split (6 exact and 30 near copies of 70)."""
+    from dstrain.data import split
+
+    man = corpus.manifest(corpus.DEFAULT)
+    prompts = [json.loads(line) for line in open(corpus.DEFAULT / "prompts.jsonl")]
+    held_ids = set(man["held_out"]["ids"])
+    dropped = man["held_out"]["dropped_duplicates"]
+    train = [p for p in prompts if p["id"] not in held_ids and p["id"] not in dropped]
+    held = [p for p in prompts if p["id"] in held_ids]
+    assert leaks_free(train, held)
+    fresh = split.split(prompts)
+    assert fresh["held_out"] == sorted(held_ids) and fresh["dropped"] == dropped  # the manifest is current
+    for domain in ("math", "code", "chat"):
+        assert sum(p["domain"] == domain for p in held) >= 30
+    old_rule = [p for p in prompts if int(__import__("hashlib").sha256(p["id"].encode()).hexdigest(), 16) % 20 == 0]
+    assert split.leaks([p for p in prompts if p not in old_rule], old_rule)  # the test can see a leaky split
+
+
+def leaks_free(train, held) -> bool:
+    from dstrain.data.split import leaks
+
+    found = leaks(train, held)
+    assert found == [], f"{len(found)} held-out prompts copy training ones, e.g. {found[:3]}"
+    return True
+
+
+def test_split_keeps_near_duplicates_together():
+    from dstrain.data import split
+
+    passage = "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun by the river"
+    prompts = [{"id": f"chat-{i:03d}", "domain": "chat", "turns": [f"Topic {i}: tell me about subject number {i} in depth "
+                                                                    f"with examples from field {i * 7}"]} for i in range(40)]
+    prompts += [{"id": "chat-900", "domain": "chat", "turns": [f"Summarise: {passage}."]},
+                {"id": "chat-901", "domain": "chat", "turns": [f"Translate to French: {passage}!"]},
+                {"id": "chat-902", "domain": "chat", "turns": ["  SUMMARISE:  " + passage.upper()]}]  # exact after normalising
+    for seed in range(12):
+        res = split.split(prompts, fraction=0.3, seed=str(seed))
+        assert res["dropped"] == {"chat-902": "chat-900"}
+        assert ("chat-900" in res["held_out"]) == ("chat-901" in res["held_out"])
+        assert 10 <= len(res["held_out"]) <= 14 and not set(res["held_out"]) & set(res["train"])
+    assert split.overlap(split.shingles(prompts[40]["turns"][0]), split.shingles(prompts[41]["turns"][0])) >= split.NEAR
+    assert split.leaks(prompts[:1], prompts[40:41]) == [] and split.leaks(prompts[40:41], prompts[41:42])
 
 
 def test_corpus_of_another_target_or_tampered_is_refused(tmp_path, default_target, tiny_lm_dir):

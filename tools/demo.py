@@ -76,10 +76,13 @@ def main() -> int:
     t = time.perf_counter()
     fresh_prompts, inputs = data_dir / "fresh_prompts.jsonl", [str(train_jsonl)]
     if args.fresh_prompts:
-        held_texts = {line for line in held_prompts.read_text().splitlines()}
-        held_turns = {t for line in held_texts for t in json.loads(line)["turns"]}
-        if not fresh_prompts.exists():  # a fresh draw of the same mix; none may be a held-out prompt
-            fresh = [p for p in make_prompts(args.fresh_prompts + 16, recipe.run.seed + 7) if not set(p["turns"]) & held_turns]
+        held = [json.loads(line) for line in held_prompts.read_text().splitlines() if line.strip()]
+        if not fresh_prompts.exists():  # a fresh draw of the same mix; none may copy or nearly copy a held-out prompt
+            from dstrain.data.split import leaks
+
+            drawn = make_prompts(args.fresh_prompts + 16, recipe.run.seed + 7)
+            close = {pid for _, pid, _ in leaks(drawn, held)}
+            fresh = [p for p in drawn if p["id"] not in close]
             fresh_prompts.write_text("".join(json.dumps(p) + "\n" for p in fresh[: args.fresh_prompts]))
         gen = local_generator(folder, Sampling(max_new_tokens=args.max_new_tokens, seed=recipe.run.seed), recipe.target.dtype, args.batch_size)
         stats = regenerate(str(fresh_prompts), str(data_dir / "fresh_conversations.jsonl"), gen, recipe.target.name)

@@ -4,6 +4,7 @@
 
   tools/pack_corpus.py corpus/smollm2_moe --recipe recipes/smollm2_moe.yaml   # after (some) regeneration
   tools/pack_corpus.py corpus/smollm2_moe --unpack                           # restore conversations.jsonl to resume
+  tools/pack_corpus.py corpus/smollm2_moe --resplit                          # recompute the held-out split only
 
 The corpus is packed as it stands: a partly regenerated one says so in its manifest ("complete": false).
 """
@@ -25,11 +26,18 @@ def main() -> int:
     ap.add_argument("--prompt-count", type=int, help="record the make_prompts --count used (provenance)")
     ap.add_argument("--prompt-seed", type=int, help="record the make_prompts --seed used (provenance)")
     ap.add_argument("--unpack", action="store_true", help="write conversations.jsonl back from the packed corpus")
+    ap.add_argument("--resplit", action="store_true", help="recompute the split (dedup, near-duplicate clusters, held out) "
+                    "from prompts.jsonl and rewrite the manifest; the records are not touched and no target is needed")
     args = ap.parse_args()
 
     from dstrain.data import corpus
 
     folder = Path(args.folder)
+    if args.resplit:
+        held = corpus.resplit(folder)["held_out"]
+        print(f"{folder}: {len(held['ids'])} held out, {held['train_prompts']} train, {len(held['dropped_duplicates'])} exact "
+              f"duplicates dropped; {held['clusters']} clusters (largest {held['largest_cluster']}); rule: {held['rule']}")
+        return 0
     if args.unpack:
         out = folder / "conversations.jsonl"
         if out.exists():
@@ -53,7 +61,8 @@ def main() -> int:
         raise UserError(f"{folder}: records name target {man['target']['name']}, {args.recipe} names {recipe.target.name}")
     b = man["bytes"]
     print(f"{folder}: {man['records']}/{man['prompts']} conversations, {man['new_tokens']} answer tokens, "
-          f"{b['compressed'] / 2**20:.2f} MiB packed ({b['raw'] / 2**20:.2f} MiB raw), held out {len(man['held_out']['ids'])} prompts")
+          f"{b['compressed'] / 2**20:.2f} MiB packed ({b['raw'] / 2**20:.2f} MiB raw), held out {len(man['held_out']['ids'])} prompts, "
+          f"{len(man['held_out']['dropped_duplicates'])} exact duplicates dropped")
     print(json.dumps({k: man[k] for k in ("domains", "finish_reasons", "target", "sampling")}))
     return 0
 

@@ -4,7 +4,8 @@ Layout of a corpus folder (corpus/smollm2_moe):
   prompts.jsonl            the prompts (tools/make_prompts.py), the input of regeneration
   conversations.jsonl.xz   the target's answers, one record per prompt (dstrain/data/regen.py)
   manifest.json            counts, sampling parameters, target and tokenizer fingerprints, sha256s,
-                           and the held-out split (prompts never trained on, for a held-out τ)
+                           and the split (data/split.py): exact duplicates dropped, held-out prompts never
+                           trained on and never a near-duplicate of a training prompt, for a held-out τ
 While regeneration runs, conversations.jsonl (uncompressed, appended to) sits beside them;
 `pack` checks every record and writes the .xz and the manifest atomically, `unpack` restores it.
 """
@@ -21,11 +22,24 @@ from pathlib import Path
 from dstrain.errors import UserError
 
 DEFAULT = Path(__file__).resolve().parents[2] / "corpus" / "smollm2_moe"
-HELD_OUT_EVERY = 20  # one prompt in 20 (by id hash) is held out: same mix, never trained on
 
 
-def held_out(prompt_id: str) -> bool:
-    return int(hashlib.sha256(prompt_id.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
+def split_of(prompts_path: Path) -> dict:
+    """The manifest's split section for a prompts file: held-out ids, dropped duplicates, the rule (data/split.py)."""
+    from dstrain.data import split
+
+    records = [json.loads(line) for line in Path(prompts_path).read_text().splitlines() if line.strip()]
+    res = split.split(records)
+    return {"rule": split.RULE, "ids": res["held_out"], "dropped_duplicates": res["dropped"],
+            "clusters": res["clusters"], "largest_cluster": res["largest_cluster"], "train_prompts": len(res["train"])}
+
+
+def _side(man: dict, prompt_id: str) -> str:
+    """'held_out', 'train' or 'dropped' (an exact duplicate of a kept prompt) for a prompt id of this corpus."""
+    held = man["held_out"]
+    if prompt_id in held.get("dropped_duplicates", {}):
+        return "dropped"
+    return "held_out" if prompt_id in set(held["ids"]) else "train"
 
 
 def _sha256(data: bytes) -> str:
@@ -74,7 +88,6 @@ def pack(folder: Path, target_folder: str, make_prompts: dict | None = None) -> 
         raise UserError(f"{raw_path}: duplicate ids or ids not in prompts.jsonl")
     tok = AutoTokenizer.from_pretrained(target_folder)
     data = lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME)
-    heldout = sorted(i for i in prompts if held_out(i))
     man = {
         "records": len(records), "prompts": len(prompts), "complete": len(records) == len(prompts),
         "domains": dict(Counter(r["domain"] for r in records)),
@@ -89,7 +102,7 @@ def pack(folder: Path, target_folder: str, make_prompts: dict | None = None) -> 
         "sampling": json.loads(next(iter(samplings))),
         "generators": dict(Counter(r["generator"] for r in records)),
         "make_prompts": make_prompts,
-        "held_out": {"rule": f"sha256(id) % {HELD_OUT_EVERY} == 0", "ids": heldout},
+        "held_out": split_of(prompts_path),
     }
     _write_atomic(folder / "conversations.jsonl.xz", data)
     _write_atomic(folder / "manifest.json", (json.dumps(man, indent=1) + "\n").encode())
@@ -108,12 +121,26 @@ def _records(folder: Path) -> bytes:
     return raw
 
 
+def resplit(folder: Path) -> dict:
+    """Recompute the split of a packed corpus from its prompts (no target needed: the records are unchanged) and
+    rewrite the manifest atomically."""
+    man = manifest(folder)
+    prompts_path = Path(folder) / "prompts.jsonl"
+    if _sha256(prompts_path.read_bytes()) != man["sha256"]["prompts.jsonl"]:
+        raise UserError(f"{prompts_path}: does not match manifest.json; repack with tools/pack_corpus.py")
+    man["held_out"] = split_of(prompts_path)
+    _write_atomic(Path(folder) / "manifest.json", (json.dumps(man, indent=1) + "\n").encode())
+    return man
+
+
 def unpack(folder: Path, out: Path, split: str = "all") -> int:
-    """Write the corpus records of one split ('train', 'held_out' or 'all') as JSONL. Returns the count."""
+    """Write the corpus records of one split ('train', 'held_out' or 'all') as JSONL. Returns the count. 'train'
+    leaves out the exact duplicates the split dropped; 'all' is every record as packed."""
     if split not in ("train", "held_out", "all"):
         raise ValueError(split)
+    man = manifest(folder)
     lines = [line for line in _records(folder).splitlines()
-             if split == "all" or held_out(json.loads(line)["id"]) == (split == "held_out")]
+             if split == "all" or _side(man, json.loads(line)["id"]) == split]
     out.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(out, b"".join(line + b"\n" for line in lines))
     return len(lines)
