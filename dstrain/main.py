@@ -122,6 +122,10 @@ def train(recipe) -> int:
         first, last = summary["first"], summary["last"]
         print(f"trained {summary['steps']} steps: loss {first['loss']:.4f} -> {last['loss']:.4f}, "
               f"tau_hat {first['tau_hat']:.3f} -> {last['tau_hat']:.3f}; run dir {run_dir}")
+        if summary.get("eval"):
+            ev = summary["eval"]
+            print(f"eval: best tau {ev['best']['tau']:.3f} at step {ev['best']['step']} ({run_dir}/checkpoints/best), "
+                  f"{ev['evaluations']} evaluations in {ev['seconds']:.0f} s" + (", stopped early" if ev["stopped_early"] else ""))
         if summary.get("expert_load"):
             print("drafter expert load (largest / smallest share x experts; 1 = even): " + ", ".join(
                 f"{layer} {v['max']:.2f}/{v['min'] or float('nan'):.2f}" for layer, v in summary["expert_load"].items()))

@@ -230,6 +230,23 @@ class TrainConfig(Section):
                                                    "pass (null = the run's own layers)")
 
 
+class EvalConfig(Section):
+    every: int = Field(0, ge=0, description="speculative decoding against the target every N steps and at the last step "
+                                            "(0 = off): eval/tau and eval/acceptance@k in wandb and summary.json, the best "
+                                            "drafter by eval τ kept in checkpoints/best (colocated runs)")
+    prompts: str = Field("held_out", description="'held_out': the held-out split of eval.corpus (never trained on, no "
+                                                 "near-duplicate of a training prompt); or a prompts JSONL")
+    corpus: str | None = Field(None, description="the packed corpus whose held-out split eval.prompts=held_out reads "
+                                                 "(null = the shipped corpus/smollm2_moe); it must be the run's target's")
+    per_domain: int = Field(8, ge=1, description="prompts per domain (the first of each domain in file order)")
+    max_new_tokens: int = Field(64, ge=1)
+    batch: int = Field(8, ge=1, description="prompts decoded together")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature of target and drafter (paper: T = 1)")
+    patience: int = Field(0, ge=0, description="stop training after this many evaluations in a row without a new best "
+                                               "(0 = train all train.steps)")
+    min_delta: float = Field(0.0, ge=0.0, description="a new best must beat the old by more than this τ")
+
+
 class Recipe(Section):
     run: RunConfig = RunConfig()
     world: WorldConfig = WorldConfig()
@@ -240,6 +257,7 @@ class Recipe(Section):
     anchors: AnchorConfig = AnchorConfig()
     data: DataConfig
     train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
 
     @model_validator(mode="after")
     def _check_cross(self) -> "Recipe":
@@ -258,6 +276,12 @@ class Recipe(Section):
             raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
         if self.train.min_lr > self.train.lr:
             raise ValueError("train.min_lr must not exceed train.lr")
+        if self.eval.every and self.world.mode == "disaggregated":
+            raise ValueError("eval.every decodes with the target in the drafter's process (colocated runs): set eval.every=0"
+                             " and evaluate checkpoints with tools/evaluate.py")
+        if self.eval.every and self.deepspeed.zero_stage == 3:
+            raise ValueError("eval.every reads the drafter's whole weights; ZeRO-3 partitions them: set eval.every=0 or"
+                             " deepspeed.zero_stage<=2")
         if self.target.backend == "megatron" and self.world.mode == "colocated":
             raise ValueError("target.backend=megatron shards the target over its own ranks: set world.mode=disaggregated")
         return self

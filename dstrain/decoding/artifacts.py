@@ -76,6 +76,11 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
             raise UserError(f"{weights}: missing; re-export the drafter with tools/export.py")
         return DrafterArtifact(name, folder, cfg["drafter"], cfg["target"], load_file(str(weights)), cfg["target_fingerprint"],
                                _read_sts(folder) or cfg.get("sts_temperatures"), cfg.get("trained_steps"), cfg.get("target_seed", 0))
+    if folder.parent.name == "checkpoints" and (folder / "mp_rank_00_model_states.pt").is_file():
+        run, tag = folder.parent.parent, folder.name  # one checkpoint of a run: RUN/checkpoints/step-N or RUN/checkpoints/best
+        if not (run / RUN_RECIPE).is_file():
+            raise UserError(f"{run}: no {RUN_RECIPE}; pass the run folder with --recipe RECIPE instead")
+        return run_artifact(run, yaml.safe_load((run / RUN_RECIPE).read_text()), tag, name if name != tag else run.name)
     if (folder / "checkpoints").is_dir():
         from dstrain.train import checkpoint
 
@@ -175,6 +180,8 @@ def run_artifact(folder: Path, recipe_tree: dict, tag: str, name: str) -> Drafte
     else:
         raise UserError(f"{states}: missing (damaged checkpoint); delete {states.parent} to fall back to an older one")
     steps = int(tag.split("-")[-1]) if tag.startswith("step-") else None
+    if (states.parent / "best.json").is_file():  # checkpoints/best (evaluation during training): the step it was taken at
+        steps = json.loads((states.parent / "best.json").read_text())["step"]
     return DrafterArtifact(name, folder, recipe_tree["drafter"], recipe_tree["target"], module, None, _read_sts(folder), steps,
                            recipe_tree.get("run", {}).get("seed", 0))
 

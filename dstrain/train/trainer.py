@@ -105,6 +105,12 @@ class Trainer:
                                                                  config=deepspeed_config(recipe, universal), dist_init_required=False)
         self.drafter = drafter
         self.step = 0
+        self.live_eval = None
+        if recipe.eval.every:
+            from dstrain.train.live_eval import LiveEval
+
+            rank = dist.get_rank(self.group) if dist.is_initialized() and self.dp_world > 1 else 0
+            self.live_eval = LiveEval(recipe, frozen, source, run_dir, self.device, self.group, rank, self.dp_world)
         self.expert_load = None  # [MoE layers, E]: the last step's routed share per expert (all ranks)
         self.load_window = None  # [MoE layers, E]: slots routed per expert since the last log line (all ranks)
 
@@ -163,6 +169,8 @@ class Trainer:
         client = checkpoint.load(self.engine, self.load_dir, tag)
         self.source.load_state_dict(client["loader"])
         self.step = client["step"]
+        if self.live_eval is not None:
+            self.live_eval.load_state_dict(client.get("eval"))
 
     def save(self) -> None:
         w = self.recipe.world
@@ -171,6 +179,8 @@ class Trainer:
         # universal_checkpoint_info: what DeepSpeed's ds_to_universal asks of a client (a drafter has no tensor parallelism)
         client = {"step": self.step, "loader": self.source.state_dict(),
                   "universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
+        if self.live_eval is not None:
+            client["eval"] = self.live_eval.state_dict()
         checkpoint.save(self.engine, self.ckpt_dir, self.step, client,
                         self.recipe.train.keep_checkpoints, self.is_main, self.group, world=layout)
 
@@ -267,6 +277,21 @@ class Trainer:
             out["feature_cache/hit_rate"] = hits / max(hits + out["feature_cache/misses"], 1)
         return out
 
+    def _evaluate(self, metrics: dict) -> bool:
+        """Speculative decoding on the eval prompts when due (live_eval.py): its eval/ metrics join this step's line,
+        and a new best drafter is written to checkpoints/best."""
+        if self.live_eval is None or not self.live_eval.due(self.step):
+            return False
+        progress(self.step, "eval")
+        out = self.live_eval.run(self.step, self.drafter, lambda: progress(self.step, "eval"))
+        improved = out.pop("_improved")
+        if improved:
+            self.live_eval.save_best(self.step, self.engine.module.state_dict(), self.is_main)
+        if self.is_main:
+            print(self.live_eval.log_line(self.step, out, improved), flush=True)
+        metrics.update(out)
+        return True
+
     # -- loop --------------------------------------------------------------------------------------------
     def train(self) -> dict:
         r = self.recipe
@@ -275,9 +300,12 @@ class Trainer:
         self.source.start(self.step)
         t_last = time.perf_counter()
         window = {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
+        if self.live_eval is not None and self.is_main:
+            print(self.live_eval.describe(), flush=True)
         try:
             fetch = "recv" if getattr(self.source, "receiver", None) is not None else "data"  # waiting on the target, or reading
-            while self.step < r.train.steps:
+            done = self.live_eval is not None and self.live_eval.should_stop()  # a resumed run that had stopped early
+            while self.step < r.train.steps and not done:
                 progress(self.step, fetch)
                 micro = self.source.next_step(self.step)
                 progress(self.step, "train")
@@ -288,7 +316,9 @@ class Trainer:
                 window["positions"] += metrics.pop("supervised_positions")
                 window["tokens"] += metrics.pop("tokens")
                 monitor.advance()
-                if self.step == 1 or self.step % r.train.log_every == 0 or self.step == r.train.steps:
+                evaluated = self._evaluate(metrics)
+                t_last += metrics.get("eval/seconds", 0.0)  # throughput counts training time only
+                if evaluated or self.step == 1 or self.step % r.train.log_every == 0 or self.step == r.train.steps:
                     now = time.perf_counter()
                     if window["bytes"]:  # disaggregated: what the channel carried into this rank
                         metrics["channel_bytes_per_step"] = window["bytes"] / window["steps"]
@@ -299,12 +329,19 @@ class Trainer:
                     metrics.update(self._cache_metrics())
                     monitor.log(self.step, metrics)
                     t_last, window = now, {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
-                if self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
+                stop = done = self.live_eval is not None and self.live_eval.should_stop()
+                if stop or self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
                     progress(self.step, "save")
                     self.save()
+                if stop:
+                    if self.is_main:
+                        print(f"eval: no gain over {self.live_eval.best['tau']:.3f} (step {self.live_eval.best['step']}) "
+                              f"in {r.eval.patience} evaluations: stopped at step {self.step} of {r.train.steps}", flush=True)
         finally:
             monitor.close()
         summary = {"steps": self.step, "first": None, "last": None}
+        if self.live_eval is not None:
+            summary["eval"] = self.live_eval.summary()
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start
             logged = [json.loads(line) for line in monitor.path.read_text().splitlines() if line.strip()]
             summary.update(first=logged[0] if logged else None, last=logged[-1] if logged else None)
