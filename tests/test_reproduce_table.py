@@ -170,3 +170,51 @@ def test_user_errors_are_one_line(tiny_world):
                           (["--recipe", "missing.yaml"], "--recipe")):
         proc = run_tool("tools/reproduce_table.py", "--out", tiny_world / "err", *extra, check=False)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+
+
+def test_pooled_paired_difference_and_stratified_benchmark_sample():
+    from dstrain.decoding.bootstrap import pooled_paired_difference
+    from dstrain.decoding.prompts import sampled_benchmark_prompts
+
+    hi = [{d: prompt_totals(_rollout(30, 0.7, seed=s * 10 + i)) for i, d in enumerate("xy")} for s in range(2)]
+    lo = [{d: prompt_totals(_rollout(30, 0.3, seed=s * 10 + i + 5)) for i, d in enumerate("xy")} for s in range(2)]
+    diff = pooled_paired_difference(hi, lo, seed=0, level=0.975)
+    mean = lambda runs: sum(ratio_interval(*r[d])["tau"] for r in runs for d in "xy") / 4  # noqa: E731
+    assert diff["diff"] == pytest.approx(mean(hi) - mean(lo)) and 0 < diff["lo"] < diff["diff"] < diff["hi"]
+    same = pooled_paired_difference(hi, hi, seed=0)
+    assert same["lo"] == same["hi"] == same["diff"] == 0
+    # the benchmark sample: random with a seed, stratified (every MT-Bench category), deterministic
+    a = sampled_benchmark_prompts(["math", "code", "chat"], 30, seed=0)
+    assert a == sampled_benchmark_prompts(["math", "code", "chat"], 30, seed=0)
+    chat = [p for p in a if p["domain"] == "chat"]
+    assert len(a) == 90 and len({p["category"] for p in chat}) == 8
+    assert max(sum(p["category"] == c for p in chat) for c in {p["category"] for p in chat}) <= 4
+    first30 = [p["id"] for p in sampled_benchmark_prompts(["math"], 30, seed=1)]
+    assert first30 != [f"gsm8k/{i}" for i in range(30)] and first30 != [p["id"] for p in a if p["domain"] == "math"]
+
+
+def test_paper_preset_end_to_end_and_resume(tiny_world):
+    """--preset paper --quick on the tiny world: three families × two seeds, 5 : 1 depth, block 7, held-out τ during
+    training, the best checkpoints evaluated on the stratified sample, DSpark against each family; a rerun reuses all."""
+    out = tiny_world / "paper"
+    args = ["tools/reproduce_table.py", "--preset", "paper", "--quick", "--recipe", tiny_world / "recipe.yaml",
+            "--corpus", tiny_world / "corpus", "--out", out]
+    run_tool(*args, timeout=1200)
+    res = json.loads((out / "results.json").read_text())
+    assert sorted(res["runs"]) == sorted(f"{f}-s{s}" for f in ("dspark-markov", "dflash", "eagle3") for s in (0, 1))
+    for name, r in res["runs"].items():
+        recipe = yaml.safe_load((out / "runs" / name / "recipe.yaml").read_text())
+        assert recipe["drafter"]["num_layers"] == (1 if r["family"] == "eagle3" else 5)
+        assert recipe["drafter"]["block_size"] == 7 and recipe["eval"]["every"] == 3 and recipe["run"]["seed"] == r["seed"]
+        assert r["curve"]["points"] and r["best"]["step"] in [p["step"] for p in r["curve"]["points"]]
+        ev = json.loads((out / "eval" / f"{name}.json").read_text())
+        assert ev["result"]["trained_steps"] == r["best"]["step"]  # the best checkpoint was evaluated
+        assert len(ev["prompt_ids"]) == 6 and all(len(ev["totals"][d]["tokens"]) == 2 for d in ("math", "code", "chat"))
+    assert len({tuple(json.loads((out / "eval" / f"{n}.json").read_text())["prompt_ids"]) for n in res["runs"]}) == 1
+    assert set(res["versus_dspark"]) == {"dflash", "eagle3"} and "97.50 %" in res["correction"]
+    for v in res["versus_dspark"].values():
+        assert v["seeds"] == [0, 1] and v["lo"] <= v["diff"] <= v["hi"]
+    assert "Every family against DSpark" in (out / "results.md").read_text()
+    assert (out / "learning_curves.png").stat().st_size > 5000 and (out / "tau_seeds.png").stat().st_size > 5000
+    again = run_tool(*args, timeout=300)
+    assert again.stdout.count("reused (config unchanged)") == 13, again.stdout

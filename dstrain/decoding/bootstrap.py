@@ -66,3 +66,27 @@ def paired_difference(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tenso
     lo, hi = torch.quantile(diff, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
     point = float(ta.sum() / ra.sum().clamp(min=1e-12) - tb.sum() / rb.sum().clamp(min=1e-12))
     return {"diff": point, "lo": lo, "hi": hi}
+
+
+def pooled_paired_difference(a: list[dict], b: list[dict], samples: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
+    """Macro τ of family A minus family B, each the mean over its training seeds, on the same prompts: `a` and `b` are
+    lists (one per seed) of {domain: (tokens, rounds)} over identical prompts. Prompts are resampled inside each
+    domain with the same draws for every run, so prompt difficulty cancels; the seeds are averaged, not resampled
+    (their spread is reported beside the interval)."""
+    domains = list(a[0])
+    gen = torch.Generator().manual_seed(seed)
+    draws = {d: _draws(len(a[0][d][0]), samples, gen) for d in domains}
+
+    def macro(runs: list[dict], boot: bool) -> torch.Tensor:
+        per_seed = []
+        for run in runs:
+            taus = []
+            for d in domains:
+                t, r = (x.double() for x in run[d])
+                taus.append(t[draws[d]].sum(1) / r[draws[d]].sum(1).clamp(min=1e-12) if boot else t.sum() / r.sum().clamp(min=1e-12))
+            per_seed.append(torch.stack(taus).mean(0))
+        return torch.stack(per_seed).mean(0)
+
+    diff = macro(a, True) - macro(b, True)
+    lo, hi = torch.quantile(diff, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    return {"diff": float(macro(a, False) - macro(b, False)), "lo": lo, "hi": hi, "level": level}

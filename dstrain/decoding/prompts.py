@@ -47,7 +47,29 @@ def benchmark_prompts(domains: list[str], limit: int | None) -> list[dict]:
             records = [json.loads(line) for line in fh if line.strip()]
         for i, rec in enumerate(records[:limit]):
             pid, text = convert(rec, i)
-            out.append({"id": pid, "domain": domain, "turns": [text]})
+            out.append({"id": pid, "domain": domain, "turns": [text], "category": rec.get("category", domain)})
+    return out
+
+
+def sampled_benchmark_prompts(domains: list[str], per_domain: int, seed: int = 0) -> list[dict]:
+    """`per_domain` prompts of each benchmark drawn at random with `seed`, stratified by category (MT-Bench's eight:
+    categories take turns, each in its own seeded order, so every category is represented when per_domain ≥ 8);
+    a set without categories is one stratum. Same arguments, same prompts, in a fixed order."""
+    import random
+
+    out = []
+    for domain in domains:
+        strata: dict[str, list[dict]] = {}
+        for rec in benchmark_prompts([domain], None):
+            strata.setdefault(rec["category"], []).append(rec)
+        rng = random.Random(f"{seed}:{domain}")
+        queues = [rng.sample(strata[c], len(strata[c])) for c in sorted(strata)]
+        picked: list[dict] = []
+        while len(picked) < per_domain and any(queues):
+            for q in queues:
+                if q and len(picked) < per_domain:
+                    picked.append(q.pop())
+        out += picked
     return out
 
 

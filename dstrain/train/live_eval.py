@@ -68,6 +68,19 @@ def counts_of(logs: dict, gamma: int) -> torch.Tensor:
     return out
 
 
+def _per_prompt(logs: list[dict], prompts: int, batch: int) -> dict:
+    """{tokens, rounds} per prompt in order: each batch's rollout numbers its requests from 0."""
+    from dstrain.decoding.bootstrap import prompt_totals
+
+    tokens, rounds = torch.zeros(prompts, dtype=torch.float64), torch.zeros(prompts, dtype=torch.float64)
+    for i, lo in enumerate(range(0, prompts, batch)):
+        if logs[i] is not None:
+            n = min(batch, prompts - lo)
+            t, r = prompt_totals(logs[i], n)
+            tokens[lo: lo + n], rounds[lo: lo + n] = t, r
+    return {"tokens": tokens.tolist(), "rounds": rounds.tolist()}
+
+
 class LiveEval:
     def __init__(self, recipe, frozen, source, run_dir: Path, device, group, rank: int, world: int):
         self.recipe, self.cfg, self.frozen, self.source = recipe, recipe.eval, frozen, source
@@ -126,7 +139,7 @@ class LiveEval:
         prompts = self._encoded(target)
         was_training = drafter.training
         drafter.eval()
-        sums = {}
+        sums, per_prompt = {}, {}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
             decoder = SpecDecoder(target, drafter, gamma, self.recipe.drafter.sliding_window, cfg.temperature,
                                   LengthPolicy(), self.recipe.run.seed)
@@ -134,11 +147,12 @@ class LiveEval:
                 logs = []
                 for lo in range(0, len(ids), cfg.batch):
                     gen = decoder.generate(ids[lo: lo + cfg.batch], cfg.max_new_tokens, self._eos)
-                    if gen.rounds:
-                        logs.append(gen.rounds)
+                    logs.append(gen.rounds or None)  # one entry per batch, None for a batch that needed no round
                     tick()  # the watchdog sees a live rank between batches
-                merged = {k: torch.cat([r[k] for r in logs]) for k in logs[0]} if logs else {}
+                done = [r for r in logs if r is not None]
+                merged = {k: torch.cat([r[k] for r in done]) for k in done[0]} if done else {}
                 sums[domain] = counts_of(merged, gamma)
+                per_prompt[domain] = _per_prompt(logs, len(ids), cfg.batch)
         drafter.train(was_training)
         stacked = torch.stack([sums[d] for d in self.records]).to(self.device)
         if self.world > 1:
@@ -164,6 +178,9 @@ class LiveEval:
             self.bad += 1
         out["eval/best_tau"] = self.best["tau"]
         self.history.append({"step": step, **{k: v for k, v in out.items()}})
+        if self.world == 1:  # per-prompt totals, for bootstrap intervals on the learning curve (reproduce/paper.py)
+            with (self.run_dir / "eval.jsonl").open("a") as fh:
+                fh.write(json.dumps({"step": step, "tau": out["eval/tau"], "prompts": per_prompt}) + "\n")
         out["_improved"] = improved
         return out
 
