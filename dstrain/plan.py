@@ -183,6 +183,14 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     add(f"  data     shards={r.data.shards} max_length={r.data.max_length} anchors/seq={r.anchors.per_sequence} shuffle={r.data.shuffle}")
     add(f"  train    {r.train.steps} steps x micro-batch {r.train.micro_batch_size} x accum {r.train.grad_accum}; lr {r.train.lr:g}"
         f" (warmup {r.train.warmup_steps}, cosine to {r.train.min_lr:g}); clip {r.train.clip_grad}; ckpt every {r.train.checkpoint_every} keep {r.train.keep_checkpoints}")
+    e = r.eval
+    if e.every:
+        src = f"held-out split of {e.corpus or 'corpus/smollm2_moe'}" if e.prompts == "held_out" else e.prompts
+        add(f"  eval     every {e.every} steps and at the end: {e.per_domain} prompts/domain of {src}, {e.max_new_tokens} new"
+            f" tokens, T={e.temperature:g}, batch {e.batch}; best by eval tau -> checkpoints/best"
+            + (f"; stop after {e.patience} evaluations without a gain > {e.min_delta:g}" if e.patience else ""))
+    else:
+        add("  eval     off during training (eval.every=0); evaluate checkpoints with tools/evaluate.py")
     f = plan.flops
     add(f"  work     target forward {_n(f.target_per_token)}FLOP/token ({_n(f.target_per_sequence)}FLOP per {r.data.max_length}-token sequence);"
         f" drafter step {_n(f.drafter_per_position)}FLOP per supervised position x {f.positions_per_sequence} per sequence"

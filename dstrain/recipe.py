@@ -166,6 +166,9 @@ class DrafterConfig(Section):
     init_from: str | None = Field(None, description="a drafter folder whose weights start training: a run, a dstrain export, "
                                                    "or a speculators / deepspec / sglang-eagle3 folder (this run's own "
                                                    "checkpoints, when it has some, take precedence on resume)")
+    anchor_context: bool = Field(False, description="block drafters: the anchor slot's input also gets a projection of the "
+                                                     "fused target feature at position a-1 (what Eagle3's first step reads), "
+                                                     "besides the context keys/values (an ablation; not exportable)")
     mask_token_id: int | None = Field(None, ge=0, description="block slots after the anchor: None = a learned mask embedding; "
                                                              "a token id = the target's frozen embedding of that token (the "
                                                              "speculators/vLLM/SGLang convention; needed to export to them)")
@@ -174,6 +177,8 @@ class DrafterConfig(Section):
     def _check_family(self) -> "DrafterConfig":
         if not self.sample_from_anchor and self.type not in ("dspark", "dflash"):
             raise ValueError(f"drafter.sample_from_anchor=false is a block-drafter layout (dspark, dflash), not {self.type}")
+        if self.anchor_context and self.type not in ("dspark", "dflash"):
+            raise ValueError(f"drafter.anchor_context is a block-drafter option (dspark, dflash), not {self.type}")
         if self.type == "dspark" and self.head == "none":
             raise ValueError("drafter.type=dspark needs a sequential head (head=markov or rnn); head=none is dflash")
         if self.type != "dspark" and (self.head != "none" or self.confidence):

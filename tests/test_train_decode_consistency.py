@@ -28,6 +28,7 @@ FAMILIES = {
     "dspark-markov-mhc": ["drafter.mhc.enabled=true", "drafter.mhc.streams=3"],
     "dspark-rnn-mhc-qknorm-masktoken": ["drafter.head=rnn", "drafter.mhc.enabled=true", "drafter.mhc.streams=2",
                                         "drafter.qk_norm=true", "drafter.mask_token_id=7"],
+    "dspark-markov-anchor-context": ["drafter.anchor_context=true"],
     "dflash": ["drafter.type=dflash", *NO_HEADS],
     "dflash-paper-masks-only": ["drafter.type=dflash", "drafter.sample_from_anchor=false", *NO_HEADS],
     "dspark-markov-masks-only": ["drafter.sample_from_anchor=false"],

@@ -82,6 +82,8 @@ def check_exportable(cfg) -> None:
         return
     if cfg.mhc.enabled:
         problems.append("drafter.mhc.enabled=false (no hyper-connections in the speculators layer)")
+    if cfg.anchor_context:
+        problems.append("drafter.anchor_context=false (an ablation: no engine feeds the anchor slot a target feature)")
     if not cfg.qk_norm:
         problems.append("drafter.qk_norm=true (the speculators layer normalises q and k per head)")
     if cfg.mask_token_id is None:

@@ -37,6 +37,11 @@ class BlockDrafter(nn.Module):
 
             raise UserError(f"drafter.mask_token_id={self.mask_token_id}: outside the target's vocabulary 0..{spec.vocab_size - 1}")
         self.mask_embed = nn.Parameter(torch.zeros(d)) if self.mask_token_id is None else None
+        # drafter.anchor_context: the anchor slot also reads the fused target feature of position a−1 as input, as
+        # Eagle3's first step does (ablation of position-1 acceptance); zero-initialised, so it starts as without it
+        self.anchor_ctx = nn.Linear(d, d, bias=False) if cfg.anchor_context else None
+        if self.anchor_ctx is not None:
+            nn.init.zeros_(self.anchor_ctx.weight)
         self.layers = nn.ModuleList()
         for _ in range(cfg.num_layers):
             self.layers.append(BlockLayer(d, heads, kv_heads, head_dim, make_ffn(cfg, spec), spec.rope_theta, qk_norm=cfg.qk_norm))
@@ -82,8 +87,12 @@ class BlockDrafter(nn.Module):
         extra = 0 if self.cfg.sample_from_anchor else 1
         if extra:
             block_pos = torch.cat([block_pos[:, :1], block_pos + 1], dim=1)
-        x = torch.cat([anchor_embed, self._mask_slot(dtype).expand(n, gamma - 1 + extra, -1)], dim=1)
         ctx = self.fuse_norm(self.fuse(ctx_features.reshape(ctx_features.shape[0], -1).to(dtype)))
+        if self.anchor_ctx is not None:  # the last context slot of a block is position a−1 (−1: the anchor is at 0)
+            last = packed.key_index[:, -1:]
+            feat = ctx.index_select(0, last.clamp(min=0).reshape(-1)) * (last >= 0).to(dtype)
+            anchor_embed = anchor_embed + self.anchor_ctx(feat).unsqueeze(1)
+        x = torch.cat([anchor_embed, self._mask_slot(dtype).expand(n, gamma - 1 + extra, -1)], dim=1)
         aux = x.new_zeros((), dtype=torch.float32)
         if self.streams:
             x = x.unsqueeze(-2).expand(-1, -1, self.streams, -1).contiguous()

@@ -30,6 +30,13 @@ FAMILIES: dict[str, Family] = {
     "dflash": Family("DFlash", ("drafter.type=dflash", "drafter.sample_from_anchor=false", *_NO_HEADS)),
     # DSpark's anchor-predicting backbone without its heads (not in the default table: isolates the heads)
     "dflash-anchor": Family("DFlash (anchor predicts)", ("drafter.type=dflash", *_NO_HEADS)),
+    # position-1 ablations of DSpark (paired with dspark-markov on the same stream; not in the default table)
+    "dspark-anchor-context": Family("DSpark (Markov) + anchor feature", ("drafter.type=dspark", "drafter.head=markov",
+                                    "drafter.confidence=true", "drafter.anchor_context=true")),
+    "dspark-conf-0.3": Family("DSpark (Markov), confidence weight 0.3", ("drafter.type=dspark", "drafter.head=markov",
+                              "drafter.confidence=true", "loss.alpha_conf=0.3")),
+    "dspark-rank-64": Family("DSpark (Markov), rank 64", ("drafter.type=dspark", "drafter.head=markov",
+                             "drafter.confidence=true", "drafter.head_rank=64")),
     "eagle3": Family("Eagle3", ("drafter.type=eagle3", "drafter.num_layers=1", *_NO_HEADS)),
     # MTP-1 reads the target's last layer; target.capture_layers is added by family_overrides
     "mtp": Family("MTP-1", ("drafter.type=mtp", "drafter.num_layers=1", "drafter.block_size=1", *_NO_HEADS)),

@@ -142,7 +142,7 @@ def markdown(res: dict) -> str:
         f"{block['positions']:,} supervised positions for the γ = 5 families ({block['steps']} steps × {block['anchors']} "
         f"anchors/sequence), {mtp['positions']:,} for MTP-1 ({mtp['steps']} steps × {mtp['anchors']} anchors/sequence, "
         f"{100 * (mtp['positions'] / block['positions'] - 1):+.2f} %).",
-        f"Evaluated on {cfg['eval_prompts']} prompts per benchmark (the first of each set), {cfg['max_new_tokens']} new "
+        f"Evaluated on {cfg['eval_prompts']} prompts per benchmark (drawn at random with seed 0, stratified by category), {cfg['max_new_tokens']} new "
         f"tokens, T = 1, batch {cfg['batch']}, every draft verified (no confidence scheduler), τ = accepted + 1 per round "
         f"pooled over a benchmark's rounds; intervals: 95 % percentile bootstrap over prompts ({cfg['bootstrap_samples']} "
         f"resamples, seed {cfg['seed']}; macro: stratified by benchmark).", "", *rows, "",

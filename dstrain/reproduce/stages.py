@@ -121,7 +121,7 @@ def estimates(cfg: Config, samples: int) -> list[tuple[str, str, float]]:
     for fam in cfg.families:
         # the first family fills the cache (MTP-1's last layer included); without one each family runs the target
         pays = cfg.feature_cache is None or fam == cfg.families[0]
-        plan.append((f"train {fam}", "train", (25 + cfg.steps * step_s[fam] + (target_s if pays else 0)) / speed))
+        plan.append((f"train {fam}", "train", (25 + cfg.steps * step_s.get(fam, 0.85) + (target_s if pays else 0)) / speed))
     prompt_rounds = lambda prompts, new: 3 * prompts * (new / 1.3 + 3)  # noqa: E731  (τ ≈ 1.3 early; prefill ≈ 3 rounds)
     per_round = lambda batch: 1.74 * (0.27 / batch + 0.042)  # noqa: E731  (seconds per prompt-round; 0.12 at batch 10)
     for fam in cfg.families:
@@ -371,7 +371,7 @@ def evaluate_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock:
     from dstrain.decoding.bootstrap import prompt_totals
 
     key = key_of({"train": train["key"], "prompts": cfg.eval_prompts, "new": cfg.max_new_tokens, "batch": cfg.batch,
-                  "seed": cfg.seed, "temperature": 1.0})
+                  "seed": cfg.seed, "temperature": 1.0, "sampling": "stratified-random"})
     path = cfg.out / "eval" / f"{family}.json"
     done = reuse(path, key, cfg.resume)
     if done:
@@ -379,7 +379,8 @@ def evaluate_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock:
         return done
     t0 = time.perf_counter()
     run_dir = cfg.out / "runs" / family
-    by_domain = ev.prompts(P.benchmark_prompts(list(DOMAINS), cfg.eval_prompts))
+    # drawn at random with a fixed seed, stratified by category (every MT-Bench category), not the first N of each set
+    by_domain = ev.prompts(P.sampled_benchmark_prompts(list(DOMAINS), cfg.eval_prompts, 0))
     res, rollouts = ev.run(ev.candidate(run_dir, family, checkpoint_tags(run_dir)[-1]), by_domain, cfg.batch,
                            cfg.max_new_tokens, cfg.seed)
     totals = {}
