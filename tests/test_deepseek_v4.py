@@ -154,9 +154,12 @@ def test_flagship_dry_run_plans_the_megatron_backend(recipe):
 
 
 def test_attention_memory_tool_compares_equal_outputs():
-    """tools/bench_v4_attention.py (the T=8192 measurement) at a short T: both implementations run, outputs agree."""
-    out = run_tool("tools/bench_v4_attention.py", "--seq", "384").stdout
+    """tools/bench_v4_attention.py (the T=8192 measurement) at a short T: both implementations run, outputs agree.
+    The indexer keeps 16 of the 96 CSA entries: with the tool's default top-512 every entry was kept, so the sparse
+    selection went unchecked (mutation caught: sparse_attention ignoring the indexer's picks)."""
+    out = run_tool("tools/bench_v4_attention.py", "--seq", "384", "--index-topk", "16").stdout
     print(out)
+    assert "top-16 of 96 CSA entries" in out
     rows = [line for line in out.splitlines() if line.strip().startswith(("csa:", "hca:"))]
     assert len(rows) == 2
     for row in rows:
