@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -158,11 +159,15 @@ class Trainer:
 
     def resume(self) -> None:
         tag = self.resume_tag
+        self.resumed_from = 0  # the step this run started from (0: fresh); tests tell a resume from a restart by it
         if tag is None:
             return
         client = checkpoint.load(self.engine, self.load_dir, tag)
         self.source.load_state_dict(client["loader"])
         self.step = client["step"]
+        self.resumed_from = self.step
+        if self.is_main:
+            print(f"dstrain: resumed from step {self.step} (checkpoint {tag})", file=sys.stderr, flush=True)
 
     def save(self) -> None:
         w = self.recipe.world
@@ -304,7 +309,7 @@ class Trainer:
                     self.save()
         finally:
             monitor.close()
-        summary = {"steps": self.step, "first": None, "last": None}
+        summary = {"steps": self.step, "resumed_from": self.resumed_from, "first": None, "last": None}
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start
             logged = [json.loads(line) for line in monitor.path.read_text().splitlines() if line.strip()]
             summary.update(first=logged[0] if logged else None, last=logged[-1] if logged else None)
