@@ -140,7 +140,15 @@ def test_disaggregated_bf16_resume_after_kill_is_exact(runs, shards, tmp_path):
     if (ckpts / "latest").read_text().strip() != "step-3":  # the job outran the kill: crash it at step 3 instead
         shutil.rmtree(ckpts / (ckpts / "latest").read_text().strip())
         (ckpts / "latest").write_text("step-3")
-    torchrun(4, *args)
+    step3 = {p.name: p.stat().st_mtime_ns for p in (ckpts / "step-3").iterdir()}
+    relaunch = torchrun(4, *args)
+    # a resume from step 3, not a restart at 0 (deterministic training would write the same losses and checkpoints):
+    # the trainer says so, step-3 is left as it was, and the run goes on to step-6. Mutation caught: Trainer.resume()
+    # ignoring its checkpoint.
+    assert "dstrain: resumed from step 3 (checkpoint step-3)" in relaunch.stderr, relaunch.stderr[-3000:]
+    assert json.loads((tmp_path / "tiny-moe-dspark" / "summary.json").read_text())["resumed_from"] == 3
+    assert {p.name: p.stat().st_mtime_ns for p in (ckpts / "step-3").iterdir()} == step3
+    assert (ckpts / "latest").read_text().strip() == "step-6"
     got = losses(tmp_path / "tiny-moe-dspark")
     assert len(got) >= 6
     worst = max(abs(a - b) for a, b in zip(reference[3:], got[-3:]))

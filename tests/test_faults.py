@@ -181,6 +181,7 @@ def test_torchrun_max_restarts_resumes_by_itself_and_equals_an_uninterrupted_run
     try:
         wait_for_step(proc, run, 12)
         pid = int((run / "pids" / "rank-3").read_text())
+        step10 = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints" / "step-10").iterdir()}
         os.kill(pid, signal.SIGKILL)
         killed = time.time()
         killed_at = max(metrics(run))
@@ -197,6 +198,11 @@ def test_torchrun_max_restarts_resumes_by_itself_and_equals_an_uninterrupted_run
     assert proc.returncode == 0, err[-4000:]
     assert 12 <= killed_at < 20 and "exitcode: -9" in err  # the launcher saw it die and restarted the group
     assert int((run / "pids" / "rank-3").read_text()) != pid
+    # a resume from step 10, not a restart at 0 (which would write the same losses and checkpoints): the trainer says
+    # so and step-10 is left as it was. Mutation caught: Trainer.resume() ignoring its checkpoint.
+    assert "dstrain: resumed from step 10 (checkpoint step-10)" in err, err[-4000:]
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 10
+    assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints" / "step-10").iterdir()} == step10
     got = metrics(run)
     assert sorted(got) == list(range(1, 21))
     assert all(got[s] == reference[s] for s in range(1, 21)), [(s, got[s], reference[s]) for s in got if got[s] != reference[s]]
@@ -322,3 +328,8 @@ def test_chaos_run_survives_a_kill_a_stop_and_a_corrupted_checkpoint(tmp_path):
     assert "final drafter equal (exact)" in summary and "each consumed exactly once" in summary
     kinds = {line.split()[3] for line in proc.stdout.splitlines() if line.startswith("chaos: fault ")}
     assert kinds == {"kill", "stop", "corrupt"}, proc.stdout
+    # every copy of every sample counted, and each relaunch resumed where it should (a restart at step 0 writes the same
+    # losses and weights). Mutation caught: Trainer.resume() ignoring its checkpoint.
+    copies = [line for line in proc.stdout.splitlines() if "streamed step copies over" in line][0]
+    said, want = copies.split("resumed from steps ")[1].split(" (expected ")
+    assert said == want.rstrip(")") and said != "[0, 0, 0]", copies
