@@ -126,6 +126,8 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_good_one(shards, t
     assert second.returncode == 0, second.stderr[-3000:]
     notes = [line for line in second.stderr.splitlines() if "is damaged" in line]
     assert len(notes) == 1 and "step-4 is damaged" in notes[0] and "truncated" in notes[0] and "step-2" in notes[0], notes
+    assert "dstrain: resumed from step 2 (checkpoint step-2)" in second.stderr, second.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 2
     assert metrics(run) == reference  # steps 3-4 redone (the log is rewritten past the checkpoint), bit-equal
     assert (ckpts / "step-2" / MANIFEST).stat().st_mtime_ns == step2_written  # resumed from it, not from scratch
     # alter one byte of the (rewritten) latest and truncate the other: nothing good is left
@@ -337,6 +339,8 @@ def test_zero_checkpoint_of_two_drafters_resumes_on_one_continuing_the_data_stre
     second = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
                              str(free_port()), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "dstrain: resumed from step 4 (checkpoint step-4)" in second.stderr, second.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 4
     assert sorted(metrics(run)) == list(range(1, 9))
     before, after = consumed_samples(run, upto=4), consumed_samples(run, after=4)
     assert len(before) == 32 and len(after) == 16
