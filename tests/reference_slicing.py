@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dstrain.targets.megatron_weights import MOE, head_dim, num_experts
+from dstrain.targets.megatron_weights import MOE, num_experts
 
 
 def _fused_qkv(q, k, v, nq: int, nkv: int, hd: int) -> torch.Tensor:
@@ -27,7 +27,11 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, tp: int, rank: int) -> torch.Te
 def rank_state_dict(hf: dict[str, torch.Tensor], cfg, *, tp: int, tp_rank: int, ep: int, ep_rank: int,
                     layer_offset: int, num_local_layers: int, first_stage: bool, last_stage: bool) -> dict[str, torch.Tensor]:
     """The megatron state dict of one (tensor, pipeline, expert) rank, sliced from a full HF state dict."""
-    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    # the head width from the weights themselves, not from the code under test's helper (a GPT family's head_dim
+    # may differ from hidden / heads: Qwen3-30B-A3B has hidden 2048, 32 heads, head_dim 128)
+    hd = hf[f"model.layers.{layer_offset}.self_attn.k_proj.weight"].shape[0] // nkv
+    assert hf[f"model.layers.{layer_offset}.self_attn.q_proj.weight"].shape[0] == nq * hd
     out: dict[str, torch.Tensor] = {}
     if first_stage:
         out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"].chunk(tp, 0)[tp_rank]

@@ -19,6 +19,7 @@ def default_target():
     return target_folder(recipe.target), recipe.target.name
 
 
+@pytest.mark.slow  # the real default target: its weights' fingerprint
 def test_shipped_corpus_belongs_to_the_default_target(tmp_path, default_target):
     folder, name = default_target
     man = corpus.check_target(corpus.DEFAULT, folder, name)  # weights and tokenizer fingerprints, name
@@ -94,6 +95,7 @@ def test_split_keeps_near_duplicates_together():
     assert split.leaks(prompts[:1], prompts[40:41]) == [] and split.leaks(prompts[40:41], prompts[41:42])
 
 
+@pytest.mark.slow  # the real default target: its weights' fingerprint
 def test_corpus_of_another_target_or_tampered_is_refused(tmp_path, default_target, tiny_lm_dir):
     folder, name = default_target
     mine = tmp_path / "c"

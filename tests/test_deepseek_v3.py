@@ -115,10 +115,11 @@ def test_patch_mla_local_core_attention():
 def test_patch_mla_te_flag():
     import importlib.util
 
-    if importlib.util.find_spec("transformer_engine") is not None:
-        pytest.skip("TransformerEngine is installed: the flag is right without the patch")
     r = patch_check("mla_te_flag")
     print(r)
+    if importlib.util.find_spec("transformer_engine") is not None:  # the flag is right without the patch: builds both ways
+        assert r["after"] == "built", r
+        return
     assert "isinstance() arg 2 must be a type" in r["before"] and r["after"] == "built"
 
 
@@ -305,24 +306,34 @@ def test_rank_plan_reads_only_this_ranks_experts_and_slices():
 
 # ---- parity with transformers -------------------------------------------------------------------------------
 
+V3_TOL = 1.1e-5  # 10x README's "within 1.1e-6"
+V3_LAYOUT_RANKS = {"tp2": ["0", "1"], "pp2": ["2", "3"], "ep2": ["0", "1"], "tp2_ep2_pp2": ["0", "1", "2", "3"]}
+
+
 @pytest.mark.distributed
 def test_megatron_v3_equals_transformers_at_tp2_pp2_ep2():
-    """Captured layers and final pre-LM-head states at TP=2, PP=2, EP=2 and TP=2 × EP=2 × PP=2, two cases each
-    (grouped routing + bias + a dense first layer; q_proj + half-split rope + V3 yarn), within 1e-4 in fp32."""
+    """Captured layers and final pre-LM-head states at TP=2, PP=2, EP=2 and TP=2 × EP=2 × PP=2, four cases each
+    (grouped routing + bias + a dense first layer; q_proj + half-split rope + V3 yarn; the first stored as DeepSeek's
+    block-FP8 checkpoint and as a BF16 one), within V3_TOL in fp32 on every rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
                            str(free_port()), "tests/dist/v3_parity.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.split("PARITY ", 1)[1].splitlines()[0])
-    print(json.dumps(report, indent=1))
     from dstrain.targets import cpu_compat, mcore_patches
 
     assert report.pop("patches") == list(cpu_compat.PATCHES) + list(mcore_patches.PATCHES)
     sens = report.pop("sensitivity")
     assert min(sens.values()) > 1e-2, sens  # dropping any one V3 semantic moves HF's output far past the tolerance
-    assert set(report) == {"tp2", "pp2", "ep2", "tp2_ep2_pp2"}
+    assert set(report) == set(V3_LAYOUT_RANKS)
     for layout, cases in report.items():
-        assert set(cases) == {"grouped_bias_dense0", "qproj_halfsplit_yarn"}
+        assert set(cases) == {"grouped_bias_dense0", "qproj_halfsplit_yarn", "grouped_bias_dense0_fp8",
+                              "grouped_bias_dense0_bf16"}
         for case, r in cases.items():
-            assert r["max_abs_diff"] < 1e-4 and r["scale"] > 1.0, (layout, case, r)
+            print(f"V3 megatron vs transformers, {layout} {case}: max |Δ| {r['max_abs_diff']:.2e} (scale {r['scale']:.1f})")
+            assert r["scale"] > 1.0, (layout, case, r)
+            # per rank: every rank of the layout compared some values (an empty stage used to pass under a MAX)
+            assert sorted(r["ranks"]) == V3_LAYOUT_RANKS[layout], (layout, case, r)
+            for rank, v in r["ranks"].items():
+                assert v["compared"] > 0 and v["max_abs_diff"] < V3_TOL, (layout, case, rank, v)

@@ -10,7 +10,13 @@ from dstrain.errors import UserError
 from dstrain.recipe import parse_recipe
 from dstrain.runtime.world import run_device, select_deepspeed_accelerator
 
-needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answers")
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """The CPU-only answers, on any machine (these tests used to skip where a GPU is visible: CI must run them all):
+    torch sees no CUDA device in this process, and CUDA_VISIBLE_DEVICES hides every GPU from its subprocesses."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 def recipe(**run):
@@ -19,8 +25,7 @@ def recipe(**run):
                          "data": {"shards": "x"}})
 
 
-@needs_no_gpu
-def test_run_device_resolution_and_errors():
+def test_run_device_resolution_and_errors(no_gpu):
     assert recipe().run.device == "auto" and run_device(recipe()) == torch.device("cpu")
     assert run_device(recipe(device="cpu")) == torch.device("cpu")
     with pytest.raises(UserError, match="run.device=cuda but torch .* sees no CUDA device"):
@@ -31,8 +36,7 @@ def test_run_device_resolution_and_errors():
         run_device(recipe(device="cuda", world=disagg))
 
 
-@needs_no_gpu
-def test_cli_refuses_cuda_without_a_gpu(tmp_path):
+def test_cli_refuses_cuda_without_a_gpu(tmp_path, no_gpu):
     proc = run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={tmp_path}", "run.device=cuda", check=False)
     assert proc.returncode == 2 and "run.device=cuda" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 

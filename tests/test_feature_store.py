@@ -74,6 +74,15 @@ def test_changed_target_or_capture_layers_miss(tmp_path, tiny):
     store = store_for(tmp_path, recipe, other_layers)
     target_features(counting, samples, store)
     assert counting.sequences == 4 and store.stats["hits"] == 0
+    # the same capture layers on other weights (run.seed 1 builds other random weights, so another fingerprint):
+    # nothing hits. Mutation caught: namespace_of ignoring its fingerprint (the layer change above still misses then).
+    reseeded = recipe.model_copy(update={"run": recipe.run.model_copy(update={"seed": 1})})
+    other_weights = CountingTarget(load_target(recipe.target, seed=1))
+    store = store_for(tmp_path, reseeded, other_weights.target)
+    got = target_features(other_weights, samples, store)
+    assert other_weights.sequences == 4 and store.stats["hits"] == 0 and store.stats["misses"] == 4
+    assert not torch.equal(got.final_hidden, target_features(target, samples).final_hidden)  # truly other features
+    assert namespace_of("f", [1, 2], torch.float32, "cpu") != namespace_of("g", [1, 2], torch.float32, "cpu")
     assert target_fingerprint(recipe.target, 0) != target_fingerprint(recipe.target, 1)  # other seed, other weights
     assert namespace_of("f", [1, 2], torch.float32, "cpu") != namespace_of("f", [1, 2], torch.bfloat16, "cpu")
     assert namespace_of("f", [1, 2], torch.float32, "cpu") != namespace_of("f", [1, 2], torch.float32, "cuda")

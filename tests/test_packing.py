@@ -82,18 +82,30 @@ def test_packed_attention_equals_dense_reference(window, lengths, grouped, per_s
     keys = KeyGroups.build(p.key_index, gamma, min_saving=0.0) if grouped else p.key_index
     assert keys is not None
     total = sum(lengths)
-    k_all, v_all = torch.randn(total, hkv, d, dtype=torch.float64), torch.randn(total, hkv, d, dtype=torch.float64)
+    k_all = torch.randn(total, hkv, d, dtype=torch.float64, requires_grad=True)
+    v_all = torch.randn(total, hkv, d, dtype=torch.float64, requires_grad=True)
     q = torch.randn(p.num_blocks, gamma, h, d, dtype=torch.float64, requires_grad=True)
-    k_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64)
-    v_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64)
+    k_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64, requires_grad=True)
+    v_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64, requires_grad=True)
+    leaves = {"q": q, "k_blk": k_blk, "v_blk": v_blk, "k_ctx": k_all, "v_ctx": v_all}
     packed = block_attention(q, k_blk, v_blk, k_all[p.ctx_rows], v_all[p.ctx_rows], keys)
     ref = dense_reference(q, k_blk, v_blk, k_all, v_all, p, window, lengths)
     torch.testing.assert_close(packed, ref, atol=1e-10, rtol=0)
-    # fp32 within 1e-5, and gradients flow through the gathered path
-    packed32 = block_attention(q.float(), k_blk.float(), v_blk.float(), k_all[p.ctx_rows].float(), v_all[p.ctx_rows].float(), keys)
+    # fp32 within 1e-5
+    with torch.no_grad():
+        packed32 = block_attention(q.float(), k_blk.float(), v_blk.float(), k_all[p.ctx_rows].float(),
+                                   v_all[p.ctx_rows].float(), keys)
     torch.testing.assert_close(packed32, ref.float(), atol=1e-5, rtol=0)
-    packed.sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
+    # all five gradients (query, block keys/values, context keys/values through the gather) equal the dense
+    # reference's in fp64, under a random upstream gradient. Mutation caught: a stray .detach() on any of the
+    # context or block keys/values in block_attention or _grouped (the old test checked only q.grad was finite).
+    upstream = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(packed, list(leaves.values()), upstream, allow_unused=True)
+    want = torch.autograd.grad(ref, list(leaves.values()), upstream)
+    for (name, _), g_got, g_want in zip(leaves.items(), got, want):
+        assert g_got is not None, f"no gradient reaches {name}"
+        assert float(g_want.abs().max()) > 0, name  # the reference's gradient is not trivially zero
+        torch.testing.assert_close(g_got, g_want, atol=1e-10, rtol=0, msg=lambda m, n=name: f"grad of {n}: {m}")
 
 
 def test_cost_independent_of_context_length():

@@ -26,8 +26,8 @@ def speculators_models():
     BatchType alias, stubbed here. Nothing else of it is replaced."""
     import importlib.util
 
-    if importlib.util.find_spec("speculators") is None:
-        pytest.skip("speculators not installed (make install puts it in the venv)")
+    # make install installs it (pyproject's speculators pin): missing is a broken install, not a reason to skip
+    assert importlib.util.find_spec("speculators") is not None, "speculators is not installed: run make install"
     try:
         import speculators.models as sm
     except ImportError:  # its training-data deps (openai, datasets) are not installed: --no-deps
@@ -110,27 +110,41 @@ def theirs(folder, target, ids, anchors, monkeypatch):
     feats = torch.cat([hs[i] for i in config.aux_hidden_state_layer_ids], dim=-1)
     t = ids.numel()
     with torch.no_grad():
-        hidden, logits, _targets, _mask, idx = model._backbone_forward(
-            feats, ids[None], torch.ones(1, t, dtype=torch.long), hs[-1], torch.zeros(1, t, dtype=torch.long), max_anchors=k)
-        rows = config.block_size
-        hidden = hidden.view(k, rows, -1)
-        logits = logits.view(k, rows, -1)
-        bias = conf = None
-        head = getattr(model, "markov_head", None)
-        block_tokens = ids[idx].view(k, rows)
-        if config.sample_from_anchor:  # row j conditions on x_{a+j}
-            prev = block_tokens
-        else:  # row j conditions on x_{a+j-1} (speculators' DSpark forward, the same shift)
-            prev = torch.cat([block_tokens[:, :1], block_tokens[:, :-1]], dim=1)
-        if head is not None:
-            emb = head.prev_embeddings(prev)
-            bias = head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=emb)
-            logits = logits + bias
-            if model.confidence_head is not None:
-                conf = model.confidence_head(torch.cat([hidden, emb], dim=-1))
+        if cfg_json["speculators_model_type"] == "dspark":
+            logits, bias, conf = dspark_forward(model, feats, ids, hs[-1], k, monkeypatch)
+        else:  # DFlash: the backbone is the whole draft (no Markov bias, no confidence head)
+            logits = model._backbone_forward(feats, ids[None], torch.ones(1, t, dtype=torch.long), hs[-1],
+                                             torch.zeros(1, t, dtype=torch.long), max_anchors=k)[1]
+            logits, bias, conf = logits.view(k, config.block_size, -1), None, None
     if not config.sample_from_anchor:  # the anchor row predicts nothing: rows 1..γ are our slots 0..γ−1
         logits, bias, conf = logits[:, 1:], None if bias is None else bias[:, 1:], None if conf is None else conf[:, 1:]
     return logits, bias, conf
+
+
+def dspark_forward(model, feats, ids, last_hidden, k, monkeypatch):
+    """speculators' own DSparkDraftModel.forward, its glue driven by its config flags (sample_from_anchor,
+    markov_rank, enable_confidence_head, confidence_head_with_markov): the Markov-corrected logits and the confidence
+    logits it hands to its loss, and the Markov bias its head returned. Nothing of the glue is re-implemented here
+    (the old hand-written copy always fed the confidence head [h; W1[x_prev]], whatever the export's flags said)."""
+    from speculators.models.dspark import core as dspark_core
+
+    seen = {}
+
+    def capture_metrics(logits, targets, confidence_logits, *a, **kw):
+        seen["logits"], seen["conf"] = logits, confidence_logits
+        return logits.new_zeros(()), {}
+
+    monkeypatch.setattr(dspark_core, "compute_metrics", capture_metrics)
+    if model.markov_head is not None:
+        block_bias = model.markov_head.block_bias
+        monkeypatch.setattr(model.markov_head, "block_bias",
+                            lambda *a, **kw: seen.setdefault("bias", block_bias(*a, **kw)))
+    t = ids.numel()
+    model(feats, ids[None], torch.ones(1, t, dtype=torch.long), last_hidden, torch.zeros(1, t, dtype=torch.long),
+          max_anchors=k)
+    rows = model.config.block_size
+    conf = seen["conf"].view(k, rows) if seen["conf"] is not None else None
+    return seen["logits"].view(k, rows, -1), seen.get("bias"), conf
 
 
 def theirs_eagle3(sm, folder, target, ids, anchors):

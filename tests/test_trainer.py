@@ -48,7 +48,16 @@ def test_kill9_resume_equals_uninterrupted(tmp_path, tiny_shards):
     killed_at = max(losses(run_b))
     assert 14 <= killed_at < 30, "the run must be killed between checkpoints"
     assert (run_b / "checkpoints" / "latest").read_text() == "step-10"
-    run_tool(*args, f"run.output_dir={tmp_path / 'b'}")
+    before = {r["step"]: line for line in (run_b / "metrics.jsonl").read_text().splitlines()
+              for r in [json.loads(line)] if r["step"] <= 10}
+    second = run_tool(*args, f"run.output_dir={tmp_path / 'b'}")
+    # a resume, not a restart at step 0 (training is deterministic: a restart writes the same losses and checkpoints).
+    # Mutation caught: Trainer.resume() ignoring its checkpoint.
+    assert "dstrain: resumed from step 10 (checkpoint step-10)" in second.stderr, second.stderr[-2000:]
+    assert json.loads((run_b / "summary.json").read_text())["resumed_from"] == 10
+    after = {r["step"]: line for line in (run_b / "metrics.jsonl").read_text().splitlines()
+             for r in [json.loads(line)] if r["step"] <= 10}
+    assert after == before  # steps 1-10 not redone: their lines (wall-clock rates included) are the first run's
     resumed = losses(run_b)
     assert sorted(resumed) == list(range(1, 31))
     assert all(resumed[s] == reference[s] for s in range(1, 31)), [(s, resumed[s], reference[s]) for s in range(11, 31) if resumed[s] != reference[s]]

@@ -85,7 +85,13 @@ def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_
     ckpts = run_b / "checkpoints"
     shutil.rmtree(ckpts / "step-6")
     (ckpts / "latest").write_text("step-3")
-    torchrun("dstrain/main.py", "recipes/v4_flash.yaml", *overrides(ckpt, shards, b, PP, 6))
+    step3 = {p.name: p.stat().st_mtime_ns for p in (ckpts / "step-3").iterdir()}
+    proc = torchrun("dstrain/main.py", "recipes/v4_flash.yaml", *overrides(ckpt, shards, b, PP, 6))
+    # a resume from step 3, not a restart at 0 (deterministic: it would write the same losses and checkpoints).
+    # Mutation caught: Trainer.resume() ignoring its checkpoint.
+    assert "dstrain: resumed from step 3 (checkpoint step-3)" in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((run_b / "summary.json").read_text())["resumed_from"] == 3
+    assert {p.name: p.stat().st_mtime_ns for p in (ckpts / "step-3").iterdir()} == step3
     resumed = losses(run_b)[-3:]
     worst = max(abs(x - y) for x, y in zip(resumed, pp[3:]))
     print(f"resumed at step 3: steps 4-6 max |Δloss| {worst:.2e} against the uninterrupted run")

@@ -10,15 +10,29 @@ TINY = {k: dict(FAMILIES[k]) for k in ("mixtral", "qwen3_moe", "deepseek_v3", "d
 TINY["qwen3_moe"].pop("norm_topk_prob")
 
 
-def stage_diff(tgt, ref, capture: list[int]) -> tuple[float, float]:
-    """(max |megatron - HF|, max |HF|) over what this pipeline stage holds: its capture layers, and the final
-    pre-LM-head states on the last stage."""
+def stage_diff(tgt, ref, capture: list[int]) -> tuple[float, float, int]:
+    """(max |megatron - HF|, max |HF|, values compared) over what this pipeline stage holds: its capture layers, and
+    the final pre-LM-head states on the last stage. A stage that holds nothing compares 0 values: callers assert
+    every rank compared some (a MAX over ranks alone let an empty stage pass as a perfect one)."""
     diff = scale = 0.0
+    compared = 0
     if tgt.local_captured is not None:
         cols = [capture.index(i) for i in tgt.local_layers]
         diff = (tgt.local_captured - ref.captured[:, :, cols]).abs().max().item()
         scale = ref.captured[:, :, cols].abs().max().item()
+        compared += ref.captured[:, :, cols].numel()
     if tgt.final_hidden is not None:
         diff = max(diff, (tgt.final_hidden - ref.final_hidden).abs().max().item())
         scale = max(scale, ref.final_hidden.abs().max().item())
-    return diff, scale
+        compared += ref.final_hidden.numel()
+    return diff, scale, compared
+
+
+def per_rank(mine, world: int):
+    """Each rank's tensor `mine` (zeros where it took no part), gathered: [world, *mine.shape]."""
+    import torch
+    import torch.distributed as dist
+
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return torch.stack(out)

@@ -9,6 +9,8 @@ child process, for a CSA layer (indexer top-k) and an HCA layer of a tiny-width 
 compared (the reference with the indexer's ties broken as dstrain breaks them: lower entry index first).
 
   tools/bench_v4_attention.py --seq 8192
+  tools/bench_v4_attention.py --seq 384 --index-topk 16   # the test: fewer picks than the 96 CSA entries, so the
+                                                          # indexer's sparse selection is exercised, not keep-all
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def child(impl: str, layer: int, seq: int, folder: str, out: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--index-topk", type=int, default=CONFIG["index_topk"],
+                    help="entries the CSA indexer keeps per query (V4-Flash: 512; below seq/4 the selection is sparse)")
     ap.add_argument("--child", nargs=4, metavar=("IMPL", "LAYER", "FOLDER", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -97,11 +101,12 @@ def main() -> int:
     from dstrain.targets.tiny_checkpoint import write_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_checkpoint(Path(tmp) / "v4", CONFIG, seed=0, shards=1, widen=3.0)
+        config = {**CONFIG, "index_topk": args.index_topk}
+        folder = write_checkpoint(Path(tmp) / "v4", config, seed=0, shards=1, widen=3.0)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         print(f"DeepSeek-V4 attention, one forward at T={args.seq} (hidden {CONFIG['hidden_size']}, "
               f"{CONFIG['num_attention_heads']} heads x {CONFIG['head_dim']}, window {CONFIG['sliding_window']}, "
-              f"top-{CONFIG['index_topk']}); peak = max RSS growth during the forward")
+              f"top-{args.index_topk} of {args.seq // 4} CSA entries); peak = max RSS growth during the forward")
         for name, layer in LAYERS.items():
             res, outs = {}, {}
             for impl in ("dense", "dstrain"):

@@ -8,7 +8,12 @@ alive but frozen), `corrupt` (the job is killed and its latest checkpoint trunca
 back to the one before). After each fault the job must end by itself (the watchdog names the rank) and
 the relaunch must resume. At the end: every step's loss and the final drafter's weights equal the
 uninterrupted run's exactly (fp32, CPU), and the samples that trained the final drafter (each step's last
-streamed copy) are the first ones of the data stream, each exactly once.
+streamed copy) are the first ones of the data stream, each exactly once. Every streamed copy of every sample is
+counted: each attempt streams a contiguous run of steps starting right after the checkpoint it resumed from (which
+its trainer names: "resumed from step N"), N is the checkpoint the attempt should have resumed from (the latest, or
+the one before a corrupted latest), and a step streamed twice carries the same samples both times. A run that
+ignored its checkpoint and restarted at step 0 writes the same losses and weights (training is deterministic), so
+only these checks tell it apart.
 
     python tools/chaos.py --faults 3 [--seed 0] [--steps 24] [--out runs/chaos]
 
@@ -99,20 +104,57 @@ def training_since(run: Path, started: float) -> bool:
         return False
 
 
+def said_resumed(log_path: Path, since: int) -> int:
+    """The step the trainer of the launch whose output starts at `since` says it resumed from (0: no such line)."""
+    text = log_path.read_text(errors="replace")[since:]
+    said = [line for line in text.splitlines() if "dstrain: resumed from step " in line]
+    return int(said[0].split("resumed from step ")[1].split()[0]) if said else 0
+
+
 def drafter_state(run: Path, step: int) -> dict:
     import torch
 
     return torch.load(run / "checkpoints" / f"step-{step}" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
 
 
-def samples_by_step(run: Path) -> dict[int, list[str]]:
-    """Each step's samples as last streamed (a step redone after a restart replaces the earlier copy)."""
-    out: dict[int, list[str]] = {}
+def streamed(run: Path) -> list[tuple[int, list[str]]]:
+    """Every (step, samples) record the lead target rank wrote, every copy, in order (one file: TP=2, one replica)."""
+    out = []
     for f in sorted((run / "channel").glob("*.jsonl")):
         for rec in map(json.loads, f.read_text().splitlines()):
             if "samples" in rec:
-                out[rec["step"]] = rec["samples"]
+                out.append((rec["step"], rec["samples"]))
     return out
+
+
+def resume_point(ckpt: Path, corrupted: str | None) -> int:
+    """The step a relaunch must resume from: the latest checkpoint, or the newest one before a corrupted latest."""
+    if not (ckpt / "latest").exists():
+        return 0
+    steps = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if p.name.split("-")[1].isdigit())
+    good = [s for s in steps if f"step-{s}" != corrupted and s <= int((ckpt / "latest").read_text().strip().split("-")[1])]
+    return good[-1] if good else 0
+
+
+def check_copies(records: list, cuts: list[int], resumed: list[int], expected: list[int], steps: int) -> list[str]:
+    """Problems with the streamed copies: attempt j (records[cuts[j]:cuts[j+1]]) must stream steps resumed[j]+1, +2, …
+    with resumed[j] == expected[j]; every copy of a step must carry the same samples."""
+    problems = []
+    bounds = [0, *cuts, len(records)]
+    starts = [0, *resumed]
+    for j in range(len(bounds) - 1):
+        got = [step for step, _ in records[bounds[j]:bounds[j + 1]]]
+        if j and resumed[j - 1] != expected[j - 1]:
+            problems.append(f"relaunch {j} resumed from step {resumed[j - 1]}, expected {expected[j - 1]}")
+        if got and got != list(range(starts[j] + 1, starts[j] + 1 + len(got))):
+            problems.append(f"attempt {j} streamed steps {got[:3]}..., expected {starts[j] + 1}, {starts[j] + 2}, ...")
+    first: dict[int, list[str]] = {}
+    for step, samples in records:
+        if first.setdefault(step, samples) != samples:
+            problems.append(f"step {step} streamed different samples in two attempts")
+    if sorted(first) != list(range(1, steps + 1)):
+        problems.append("not every step was streamed")
+    return problems
 
 
 def main() -> int:
@@ -145,6 +187,7 @@ def main() -> int:
     run_dir = out / "chaos" / RUN
     args_chaos = recipe_args(shards, out / "chaos", args.steps, args.checkpoint_every)
     rows, survived = [], 0
+    cuts, resumed, expected = [], [], []  # per relaunch: records streamed before it, its resume step, the right one
     proc, started = launch(args_chaos, log), time.time()
     order = []
     while len(order) < args.faults:  # every kind once per round, in a random order: 3 faults cover all three
@@ -165,10 +208,12 @@ def main() -> int:
         injected = time.time()
         log.flush()
         log_at = len((out / "launcher.log").read_text(errors="replace"))
+        corrupted = None
         if kind == "corrupt":  # the whole job dies; its latest checkpoint is damaged on top
             end(proc, run_dir)
             ckpt = run_dir / "checkpoints"
             latest = (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None
+            corrupted = latest
             if latest is None:
                 what = "no checkpoint yet to corrupt"
             else:
@@ -186,16 +231,32 @@ def main() -> int:
                 print(f"chaos: fault {i + 1} ({what}) was not detected within 120 s")
                 end(proc, run_dir)
                 rows.append((i + 1, kind, what, at, None, None))
+                cuts.append(len(streamed(run_dir)))
+                expected.append(resume_point(run_dir / "checkpoints", None))
+                log.flush()
+                relaunch_at = len((out / "launcher.log").read_text(errors="replace"))
                 proc, started = launch(args_chaos, log), time.time()
+                wait_until(lambda: training_since(run_dir, started), 300, proc)
+                resumed.append(said_resumed(out / "launcher.log", relaunch_at))
                 continue
             detected = time.time()
             end(proc, run_dir)
         resumed_from = max(steps_logged(run_dir), default=0)
+        cuts.append(len(streamed(run_dir)))  # every record so far belongs to the attempts before this relaunch
+        expected.append(resume_point(run_dir / "checkpoints", corrupted))
+        log.flush()
+        relaunch_at = len((out / "launcher.log").read_text(errors="replace"))
         proc, started = launch(args_chaos, log), time.time()  # the user's launcher: start the same command again
-        if kind == "corrupt":  # detected by the relaunch's checkpoint verification (before any weight loads)
-            wait_until(lambda: "is damaged" in (out / "launcher.log").read_text(errors="replace")[log_at:], 120, proc)
+        damage_named = True
+        if kind == "corrupt" and corrupted is not None:  # detected by the relaunch's checkpoint verification
+            damage_named = wait_until(lambda: "is damaged" in (out / "launcher.log").read_text(errors="replace")[log_at:],
+                                      120, proc)
             detected = time.time()
+            if not damage_named:
+                print(f"chaos: fault {i + 1}: the relaunch never said {corrupted} is damaged")
         ok = wait_until(lambda: training_since(run_dir, started) and max(steps_logged(run_dir), default=0) > 0, 300, proc)
+        ok = ok and damage_named
+        resumed.append(said_resumed(out / "launcher.log", relaunch_at))
         recovered = time.time()
         survived += ok
         rows.append((i + 1, kind, what, at, detected - injected, recovered - injected if ok else None))
@@ -209,11 +270,17 @@ def main() -> int:
 
     a, b = drafter_state(run_dir, args.steps), drafter_state(out / "reference" / RUN, args.steps)
     same_weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    by_step = samples_by_step(run_dir)
+    records = streamed(run_dir)
+    problems = check_copies(records, cuts, resumed, expected, args.steps)
+    for p in problems:
+        print(f"chaos: {p}")
+    by_step = dict(records)  # each step's last copy (check_copies: every copy of a step is the same)
     used = [s for step in sorted(by_step) for s in by_step[step]]
     stream = [s.meta["id"] for s, _ in zip(iter(ShardLoader(shards, 0, 1, seed=0, shuffle=False)), range(len(used)))]
     # the stream's positions, each once (a sample recurs only as the next epoch's copy, as in the stream itself)
-    once = sorted(by_step) == list(range(1, args.steps + 1)) and sorted(used) == sorted(stream)
+    once = sorted(by_step) == list(range(1, args.steps + 1)) and sorted(used) == sorted(stream) and not problems
+    print(f"chaos: {len(records)} streamed step copies over {len(cuts) + 1} attempts; relaunches resumed from steps "
+          f"{resumed} (expected {expected})")
     det = [r[4] for r in rows if r[4] is not None]
     rec = [r[5] for r in rows if r[5] is not None]
     print(f"chaos: faults injected {len(rows)}, survived {survived}; time to detect "

@@ -202,18 +202,19 @@ def _silent_verdict(store, r: int, describe, p: dict | None, silent_for: float) 
         where = json.loads(store.get(f"host/{r}").decode())
     except Exception:  # noqa: BLE001
         where = None
+    bound = p["bound"] if p else _STATE["timeout"]  # the stall bound the rank last published (what it is held to)
     if where is None or where["host"] != _STATE["host"]:
         host = where["host"].split("|")[0] if where else "unknown host"
-        return (f"{describe(r)} stopped responding: no heartbeat for {silent_for:.0f} s, {_where(p)} (on {host}: "
-                "killed, stopped or hung, not visible from here)"), False
+        return (f"{describe(r)} stopped responding: no heartbeat for {silent_for:.0f} s (stall bound {bound:.1f} s), "
+                f"{_where(p)} (on {host}: killed, stopped or hung, not visible from here)"), False
     state = process_state(where["pid"])
     if state in ("gone", "zombie"):
         return f"{describe(r)} died (process {where['pid']} is gone), {_where(p)}", False
     if state == "stopped":
         return (f"{describe(r)} is stopped (process {where['pid']} alive but frozen by SIGSTOP or a debugger; no "
-                f"heartbeat for {silent_for:.0f} s), {_where(p)}"), True
-    return (f"{describe(r)} is hung (process {where['pid']} running but no heartbeat for {silent_for:.0f} s), "
-            f"{_where(p)}"), True
+                f"heartbeat for {silent_for:.0f} s, stall bound {bound:.1f} s), {_where(p)}"), True
+    return (f"{describe(r)} is hung (process {where['pid']} running but no heartbeat for {silent_for:.0f} s, stall bound "
+            f"{bound:.1f} s), {_where(p)}"), True
 
 
 def _watch(rank: int, size: int, describe) -> None:

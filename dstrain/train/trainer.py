@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -164,11 +165,15 @@ class Trainer:
 
     def resume(self) -> None:
         tag = self.resume_tag
+        self.resumed_from = 0  # the step this run started from (0: fresh); tests tell a resume from a restart by it
         if tag is None:
             return
         client = checkpoint.load(self.engine, self.load_dir, tag)
         self.source.load_state_dict(client["loader"])
         self.step = client["step"]
+        self.resumed_from = self.step
+        if self.is_main:
+            print(f"dstrain: resumed from step {self.step} (checkpoint {tag})", file=sys.stderr, flush=True)
         if self.live_eval is not None:
             self.live_eval.load_state_dict(client.get("eval"))
 
@@ -339,7 +344,7 @@ class Trainer:
                               f"in {r.eval.patience} evaluations: stopped at step {self.step} of {r.train.steps}", flush=True)
         finally:
             monitor.close()
-        summary = {"steps": self.step, "first": None, "last": None}
+        summary = {"steps": self.step, "resumed_from": self.resumed_from, "first": None, "last": None}
         if self.live_eval is not None:
             summary["eval"] = self.live_eval.summary()
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start

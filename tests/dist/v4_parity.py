@@ -7,7 +7,8 @@ Each case mixes sliding, CSA and HCA layers and hash / top-k routed MoE, on sequ
 entries and every CSA query past the first windows has more admissible entries than the indexer keeps. Every rank
 writes the same random model with save_pretrained (published keys), builds MegatronTarget over a CheckpointReader
 (registry → V4 adapter → its rank's slices only), runs one forward and compares captured layers (read through the
-hc head) and final states with HFTarget's. Prints one JSON line after "PARITY ".
+hc head) and final states with HFTarget's. Prints one JSON line after "PARITY ": max |Δ|, scale and values compared
+per layout, case and rank (every rank must compare something: a MAX over ranks let an empty stage pass).
 
 Ties: the indexer's ReLU scores are exactly 0 wherever none of its heads fires, so equal scores at the top-k
 boundary are common. Ours keeps the lower entry index (a stable sort); torch.topk leaves the order unspecified,
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tiny_configs import TINY, stage_diff  # noqa: E402
+from tiny_configs import TINY, per_rank, stage_diff  # noqa: E402
 
 from dstrain.targets import cpu_compat, v4_attention  # noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
@@ -94,7 +95,7 @@ def reference(hf, ids):
         return HFTarget(hf, "v4", capture_layers=CAPTURE)(ids)
 
 
-def run(groups, hf, folder: str, dp: int) -> tuple[float, float]:
+def run(groups, hf, folder: str, dp: int) -> tuple[float, float, int]:
     ids = torch.randint(0, hf.config.vocab_size, SEQ, generator=torch.Generator().manual_seed(1 + dp))
     ref = reference(hf, ids)
     torch.manual_seed(0)
@@ -142,7 +143,7 @@ def main() -> None:
     report = {"patches": cpu_compat.apply()}
     phases = SINGLE if single else PHASES
     names = [n for phase in phases for n, _ in phase]
-    result = torch.zeros(len(names), len(CASES), 2)
+    result = torch.zeros(len(names), len(CASES), 4)  # max |Δ|, scale, values compared, 1 where this rank took part
     for phase in phases:
         built = [(n, lay, target_process_groups(lay)) for n, lay in phase]  # every rank creates every group
         for n, lay, groups in built:
@@ -150,12 +151,17 @@ def main() -> None:
                 continue
             _, dp, _ = lay.coords(dist.get_rank())
             for j, case in enumerate(CASES):
-                result[names.index(n), j] = torch.tensor(run(groups, models[case], os.path.join(tmp, case), dp))
+                result[names.index(n), j] = torch.tensor([*run(groups, models[case], os.path.join(tmp, case), dp), 1.0])
         dist.barrier()
-    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    ranks = per_rank(result, dist.get_world_size())
     for i, n in enumerate(names):
-        report[n] = {case: {"max_abs_diff": result[i, j, 0].item(), "scale": result[i, j, 1].item()}
+        report[n] = {case: {"ranks": {str(r): {"max_abs_diff": ranks[r, i, j, 0].item(), "scale": ranks[r, i, j, 1].item(),
+                                               "compared": int(ranks[r, i, j, 2].item())}
+                                      for r in range(len(ranks)) if ranks[r, i, j, 3] > 0}}
                      for j, case in enumerate(CASES)}
+        for case in report[n].values():
+            case["max_abs_diff"] = max(v["max_abs_diff"] for v in case["ranks"].values())
+            case["scale"] = max(v["scale"] for v in case["ranks"].values())
     if dist.get_rank() == 0:
         report["sensitivity"] = {case: sensitivity(models[case]) for case in CASES if not case.endswith("_fp8")}
         print("PARITY " + json.dumps(report), flush=True)
