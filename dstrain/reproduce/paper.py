@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,8 +136,3 @@ def estimates(cfg: S.Config, sizes: PaperSizes, samples: int, families=PAPER_FAM
             plan.append((f"evaluate {run_name(fam, seed)}", "eval", 3 * sizes.bench_prompts * (sizes.bench_new_tokens / 1.3) * 0.06))
     return plan
 
-
-def prune(run_dir: Path) -> None:
-    """After evaluation only checkpoints/best is needed (step checkpoints hold optimizer states: ~0.7 GB a run)."""
-    for p in (run_dir / "checkpoints").glob("step-*"):
-        shutil.rmtree(p, ignore_errors=True)

@@ -10,6 +10,7 @@ difference is called *resolved* when its interval excludes 0 and it exceeds the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -105,7 +106,7 @@ def assemble(cfg, sizes, data: dict, runs: dict, evals: dict, wall_s: float) -> 
                        "resolved": bool(excludes and spread is not None and abs(diff["diff"]) > spread),
                        "ratio": families[REFERENCE]["macro_mean"] / families[fam]["macro_mean"]}
     return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()},
-            "sizes": vars(sizes) if not hasattr(sizes, "__dataclass_fields__") else {k: getattr(sizes, k) for k in sizes.__dataclass_fields__},
+            "sizes": dataclasses.asdict(sizes),
             "data": data, "runs": per_run, "families": families, "versus_dspark": versus,
             "correction": f"Bonferroni over {m} comparison(s) with DSpark: {100 * level:.2f} % intervals",
             "pending": sorted(set(runs) - set(evals)), "wall_seconds": wall_s}

@@ -270,11 +270,15 @@ class LazyTarget:
     def __init__(self, load, device):
         self._load, self.device, self.target = load, torch.device(device), None
 
-    def __call__(self, input_ids, attention_mask=None):
+    def loaded(self):
+        """The target itself, loaded now if not yet (evaluation during training decodes with it)."""
         if self.target is None:  # mid-run: building a random target seeds the global RNG, which training owns
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 self.target = self._load()
-        return self.target(input_ids, attention_mask)
+        return self.target
+
+    def __call__(self, input_ids, attention_mask=None):
+        return self.loaded()(input_ids, attention_mask)
 
 
 def open_store(recipe, capture_layers: list[int], device_kind: str, memory=None, read: list[int] | None = None) -> FeatureStore | None:

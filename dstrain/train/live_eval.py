@@ -112,11 +112,8 @@ class LiveEval:
         from dstrain.targets.hf import HFTarget
 
         t = self.source.target
-        if hasattr(t, "_load"):  # feature_store.LazyTarget: load it now, without touching the training RNG
-            if t.target is None:
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                    t.target = t._load()
-            t = t.target
+        if hasattr(t, "loaded"):  # feature_store.LazyTarget: load it now (it leaves the training RNG alone)
+            t = t.loaded()
         want = list(self.frozen.capture_layers)
         return t if list(t.capture_layers) == want else HFTarget(t.model, t.name, want)
 
