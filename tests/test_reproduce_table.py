@@ -146,7 +146,17 @@ def test_reproduce_table_end_to_end_and_resume(tiny_world):
     block, mtp = fams["dspark-markov"]["supervised_positions"], fams["mtp"]["supervised_positions"]
     assert abs(mtp / block - 1) < 0.05 and fams["mtp"]["anchors_per_sequence"] > fams["dspark-markov"]["anchors_per_sequence"]
     assert fams["mtp"]["gamma"] == 1 and fams["dspark-markov"]["gamma"] == 5
+    # position 1, per prompt: its pooled ratio is the decoder's conditional acceptance at k = 1; paired against DSpark
+    for fam, f in fams.items():
+        ev = json.loads((out / "eval" / f"{fam}.json").read_text())
+        for d in res["domains"]:
+            t = ev["totals"][d]
+            assert sum(t["pos1_accepted"]) / sum(t["pos1_reached"]) == pytest.approx(f["conditional_acceptance"][d][0])
+    p1 = res["position1"]["mtp"]
+    assert set(res["position1"]) == {"mtp"} and p1["lo"] <= p1["diff"] <= p1["hi"]
+    assert p1["diff"] == pytest.approx(p1["acceptance"] - p1["reference"])
     md = (out / "results.md").read_text()
+    assert "Position 1 against DSpark" in md
     assert "DSpark (Markov)" in md and "MTP-1" in md and "GSM8K τ [95% CI]" in md and "reproduce_table.py" in md
     for png in ("tau_ci.png", "acceptance.png", "learning_curves.png"):
         assert (out / png).stat().st_size > 5000

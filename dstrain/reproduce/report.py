@@ -42,7 +42,31 @@ def assemble(cfg, data: dict, plan: dict, trains: dict, curves: dict, evals: dic
                "evaluate": sum(e["seconds"] for e in evals.values())}
     return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()}, "commands": commands,
             "data": data, "budget": plan, "domains": domains, "families": fams,
-            "separation": separation(evals, fams, domains, n, seed), "wall_seconds": wall_s, "stage_seconds": stage_s}
+            "separation": separation(evals, fams, domains, n, seed), "position1": position1(evals, domains, n, seed),
+            "wall_seconds": wall_s, "stage_seconds": stage_s}
+
+
+def position1(evals: dict, domains: list[str], samples: int, seed: int, reference: str = "dspark-markov") -> dict:
+    """Each family's position-1 acceptance minus DSpark (Markov)'s, paired on the same prompts (all benchmarks pooled:
+    accepted / reached summed per prompt), with its 95 % paired-bootstrap interval — how the position-1 ablations
+    (dspark-anchor-context, dspark-conf-0.3, dspark-rank-64) and the other families compare with DSpark."""
+    if reference not in evals or any("pos1_reached" not in evals[reference]["totals"][d] for d in domains):
+        return {}
+
+    def pooled(ev):
+        hit = torch.cat([torch.tensor(ev["totals"][d]["pos1_accepted"], dtype=torch.float64) for d in domains])
+        reach = torch.cat([torch.tensor(ev["totals"][d]["pos1_reached"], dtype=torch.float64) for d in domains])
+        return hit, reach
+
+    out = {}
+    for fam, ev in evals.items():
+        if fam == reference or any("pos1_reached" not in ev["totals"][d] for d in domains):
+            continue
+        a, b = pooled(ev), pooled(evals[reference])
+        diff = paired_difference(a, b, samples, seed=seed)
+        out[fam] = {**diff, "acceptance": float(a[0].sum() / a[1].sum().clamp(min=1)),
+                    "reference": float(b[0].sum() / b[1].sum().clamp(min=1)), "excludes_0": diff["lo"] > 0 or diff["hi"] < 0}
+    return out
 
 
 def separation(evals: dict, fams: dict, domains: list[str], samples: int, seed: int) -> dict:
@@ -150,6 +174,10 @@ def markdown(res: dict) -> str:
         ("Every benchmark's neighbours in the τ order have disjoint intervals." if every else
          "**The families are not all separated by their 95 % intervals** — the order of overlapping neighbours is not "
          "established by this evaluation."), "", *sep_lines, "",
+        "## Position 1 against DSpark (Markov)", "",
+        *([f"- {fams[f]['label']}: {p['acceptance']:.3f} vs {p['reference']:.3f}, paired Δ {p['diff']:+.3f} "
+           f"[{p['lo']:+.3f}, {p['hi']:+.3f}] (95 %, prompts of all benchmarks){'' if p['excludes_0'] else ', includes 0'}"
+           for f, p in res.get("position1", {}).items()] or ["(needs dspark-markov in the table)"]), "",
         "## Conditional acceptance per position", "",
         "Rounds that verified position k with positions 1..k−1 accepted (paper §4.3.1); acceptance.png.", "", *acc, "",
         "## Learning curves", "",

@@ -365,13 +365,23 @@ def curve_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock: Cl
     return out
 
 
+def position_totals(logs: dict, prompts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per prompt: rounds that verified position k with positions 1..k−1 accepted, and those that accepted it — the
+    conditional acceptance at k as a ratio of per-prompt sums, so it bootstraps like τ."""
+    request = logs["request"].long()
+    reached = (logs["proposed"] >= k) & (logs["accepted"] >= k - 1)
+    hit = reached & (logs["accepted"] >= k)
+    zeros = torch.zeros(prompts, dtype=torch.float64)
+    return zeros.index_add(0, request, reached.double()), zeros.index_add(0, request, hit.double())
+
+
 def evaluate_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock: Clock) -> dict:
     """The benchmark τ of the final checkpoint; per-prompt totals kept for the bootstrap."""
     from dstrain.decoding import prompts as P
     from dstrain.decoding.bootstrap import prompt_totals
 
     key = key_of({"train": train["key"], "prompts": cfg.eval_prompts, "new": cfg.max_new_tokens, "batch": cfg.batch,
-                  "seed": cfg.seed, "temperature": 1.0, "sampling": "stratified-random"})
+                  "seed": cfg.seed, "temperature": 1.0, "sampling": "stratified-random", "totals": "pos1"})
     path = cfg.out / "eval" / f"{family}.json"
     done = reuse(path, key, cfg.resume)
     if done:
@@ -386,7 +396,9 @@ def evaluate_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock:
     totals = {}
     for domain, logs in rollouts.items():
         tokens, rounds = prompt_totals(logs, len(by_domain[domain]))
-        totals[domain] = {"tokens": tokens.tolist(), "rounds": rounds.tolist()}
+        reached, accepted = position_totals(logs, len(by_domain[domain]), 1)
+        totals[domain] = {"tokens": tokens.tolist(), "rounds": rounds.tolist(), "pos1_accepted": accepted.tolist(),
+                          "pos1_reached": reached.tolist()}
     (cfg.out / "eval").mkdir(parents=True, exist_ok=True)
     torch.save(rollouts, cfg.out / "eval" / f"{family}.rollouts.pt")
     seconds = time.perf_counter() - t0
