@@ -11,13 +11,20 @@ from __future__ import annotations
 import torch
 
 
+def position_events(proposed: torch.Tensor, accepted: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per round: position k was verified with positions 1..k−1 accepted (the conditional acceptance's denominator),
+    and position k was accepted too (its numerator)."""
+    reached = (proposed >= k) & (accepted >= k - 1)
+    return reached, reached & (accepted >= k)
+
+
 def acceptance_stats(proposed: torch.Tensor, accepted: torch.Tensor, gamma: int) -> dict:
     """τ (accepted + 1 per round), mean proposal length, and the conditional acceptance at each position
     (paper §4.3.1: denominator = rounds that verified position k with positions 1..k−1 all accepted)."""
     cond = []
     for k in range(1, gamma + 1):
-        reached = (proposed >= k) & (accepted >= k - 1)
-        cond.append(float((accepted[reached] >= k).float().mean()) if reached.any() else float("nan"))
+        reached, hit = position_events(proposed, accepted, k)
+        cond.append(float(hit.sum() / reached.sum()) if reached.any() else float("nan"))
     return {"tau": float((accepted + 1).float().mean()), "proposal_length": float(proposed.float().mean()),
             "rounds": int(len(accepted)), "conditional_acceptance": cond}
 

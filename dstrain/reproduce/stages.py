@@ -368,9 +368,10 @@ def curve_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock: Cl
 def position_totals(logs: dict, prompts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per prompt: rounds that verified position k with positions 1..k−1 accepted, and those that accepted it — the
     conditional acceptance at k as a ratio of per-prompt sums, so it bootstraps like τ."""
+    from dstrain.decoding.metrics import position_events
+
     request = logs["request"].long()
-    reached = (logs["proposed"] >= k) & (logs["accepted"] >= k - 1)
-    hit = reached & (logs["accepted"] >= k)
+    reached, hit = position_events(logs["proposed"], logs["accepted"], k)
     zeros = torch.zeros(prompts, dtype=torch.float64)
     return zeros.index_add(0, request, reached.double()), zeros.index_add(0, request, hit.double())
 

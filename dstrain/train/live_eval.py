@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dstrain.decoding.metrics import position_events
 from dstrain.errors import UserError
 
 BEST = "best"
@@ -62,9 +63,8 @@ def counts_of(logs: dict, gamma: int) -> torch.Tensor:
     proposed, accepted = logs["proposed"].long(), logs["accepted"].long()
     out[0], out[1] = float((accepted + 1).sum()), float(len(accepted))
     for k in range(1, gamma + 1):
-        reached = (proposed >= k) & (accepted >= k - 1)
-        out[1 + k] = float(reached.sum())
-        out[1 + gamma + k] = float((reached & (accepted >= k)).sum())
+        reached, hit = position_events(proposed, accepted, k)
+        out[1 + k], out[1 + gamma + k] = float(reached.sum()), float(hit.sum())
     return out
 
 
