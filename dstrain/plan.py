@@ -179,6 +179,7 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     add(f"  drafter  {dr.type}: {dr.num_layers} layers, gamma={dr.block_size}, window={dr.sliding_window or 'full'}, ffn={ffn}"
         + "".join(f", {e}" for e in extras if e))
     add(f"           {_n(plan.drafter_params)} trainable params; embedding + LM head: the target's, frozen, not saved")
+    add(f"  serving  {export_line(dr)}")
     add(f"  loss     alpha_ce={r.loss.alpha_ce} alpha_tv={r.loss.alpha_tv} alpha_conf={r.loss.alpha_conf} gamma_decay={r.loss.gamma_decay}")
     add(f"  data     shards={r.data.shards} max_length={r.data.max_length} anchors/seq={r.anchors.per_sequence} shuffle={r.data.shuffle}")
     add(f"  train    {r.train.steps} steps x micro-batch {r.train.micro_batch_size} x accum {r.train.grad_accum}; lr {r.train.lr:g}"
@@ -213,3 +214,14 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
         total = sum(parts.values())
         add(f"           {role:<13} {_gib(total):>10} = " + " + ".join(f"{k} {_gib(v)}" for k, v in parts.items()))
     return "\n".join(lines)
+
+
+def export_line(drafter_cfg) -> str:
+    """Which engines will load what this recipe trains (decoding/engines.py), said before the run rather than at export."""
+    from dstrain.decoding.engines import exportable_to
+
+    verdicts = []
+    for key, problems in exportable_to(drafter_cfg).items():
+        engine, fmt = key.split(":")
+        verdicts.append(f"{engine} (--format {fmt}): " + ("loads" if not problems else "refused, needs " + "; ".join(p.split(" (")[0] for p in problems)))
+    return " | ".join(verdicts) if verdicts else "dstrain's own format only"

@@ -31,7 +31,7 @@ FAMILIES = {
 
 
 def build(family_overrides, sharpen=3.0):
-    small = [f"target.hf_config.vocab_size={VOCAB}", "target.hf_config.hidden_size=16", "target.hf_config.intermediate_size=16",
+    small = ["drafter.qk_norm=false", "drafter.mask_token_id=null", f"target.hf_config.vocab_size={VOCAB}", "target.hf_config.hidden_size=16", "target.hf_config.intermediate_size=16",
              "target.hf_config.num_hidden_layers=2", "target.hf_config.num_attention_heads=2", "target.num_capture=2",
              "drafter.num_layers=1", "drafter.ffn.type=dense", "drafter.ffn.intermediate_size=16", "drafter.head_rank=8"]
     recipe = load_recipe(ROOT / "recipes/tiny_moe.yaml", [*small, *family_overrides])

@@ -37,7 +37,7 @@ FAMILIES = {
     "mtp-qknorm": ["drafter.type=mtp", "drafter.num_layers=1", "drafter.block_size=1", "drafter.ffn.type=dense",
                    "drafter.qk_norm=true", *NO_HEADS],
 }
-SMALL = ["target.hf_config.vocab_size=64", "target.hf_config.hidden_size=32", "target.hf_config.intermediate_size=32",
+SMALL = ["drafter.qk_norm=false", "drafter.mask_token_id=null", "target.hf_config.vocab_size=64", "target.hf_config.hidden_size=32", "target.hf_config.intermediate_size=32",
          "drafter.num_layers=2", "drafter.head_rank=8", "drafter.sliding_window=12", "drafter.ffn.intermediate_size=32"]
 
 

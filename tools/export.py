@@ -30,17 +30,22 @@ def main() -> int:
                     help="dstrain: our own folder; speculators: the format vLLM loads (DSpark, DFlash, Eagle3, MTP-1); deepspec: "
                          "the DSpark layout SGLang's DSparkDraftModel reads; sglang-eagle3: SGLang's own Eagle3 layout "
                          "(see dstrain/decoding/formats.py)")
+    ap.add_argument("--engine", choices=["vllm", "sglang", "speculators", "dstrain"],
+                    help="the program that will load the export (default: the format's: speculators -> vllm, deepspec and "
+                         "sglang-eagle3 -> sglang); what it cannot load is refused before any weights load, and the minimum "
+                         "release is printed (dstrain/decoding/engines.py)")
     ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
     args = ap.parse_args()
     from dstrain.decoding import artifacts
 
     art = artifacts.read_artifact(args.run, None, args.recipe)
+    loads_in = artifacts.check_export(art, args.format, args.engine)
     target = artifacts.load_target_for(art)
-    out = artifacts.export(art, target, Path(args.out), args.format)
+    out = artifacts.export(art, target, Path(args.out), args.format, args.engine)
     params = sum(v.numel() for v in art.state.values())
     sts = "STS temperatures " + ", ".join(f"{t:.2f}" for t in art.temperatures) if art.temperatures else "not calibrated yet"
     print(f"exported {art.drafter_cfg['type']} drafter ({params / 1e6:.2f}M weights, step {art.steps}) for {target.name} "
-          f"[fingerprint {artifacts.fingerprint(target)}], {sts} -> {out} ({args.format} format)")
+          f"[fingerprint {artifacts.fingerprint(target)}], {sts} -> {out} ({args.format} format; {loads_in})")
     return 0
 
 

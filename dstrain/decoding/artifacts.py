@@ -138,10 +138,14 @@ def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str |
 SEMANTIC_FIELDS = ("type", "sample_from_anchor", "mask_token_id", "qk_norm", "head", "confidence", "sliding_window")
 
 
-def init_weights(drafter, cfg, frozen) -> DrafterArtifact:
+def init_weights(drafter, cfg, frozen) -> tuple[DrafterArtifact, list[str]]:
     """drafter.init_from: load another drafter's weights into a freshly built one, after checking they mean the same
     thing here: the same target (fingerprint, when the folder carries one), the same capture layers, the same block
-    semantics (SEMANTIC_FIELDS); then every weight by name and shape."""
+    semantics (SEMANTIC_FIELDS); then every weight by name and shape. Returns the artifact and what was bridged.
+
+    Two differences are bridged, so an older drafter can move to the exportable settings: q/k norms this recipe adds
+    start at weight 1 (RMSNorm's neutral scale: q and k become unit-RMS per head, which changes the attention
+    temperature, so fine-tune), and a learned mask vector gives way to the target's embedding of mask_token_id."""
     from dstrain.recipe import DrafterConfig
 
     art = read_artifact(cfg.init_from, need_target=False)
@@ -153,15 +157,23 @@ def init_weights(drafter, cfg, frozen) -> DrafterArtifact:
     if wanted is not None and (list(wanted) != have and not (cfg.type == "mtp" and list(wanted)[-1:] == have[-1:])):
         raise UserError(f"{src}: trained on capture layers {list(wanted)}, this run captures {have}: set target.capture_layers={list(wanted)}")
     theirs = DrafterConfig(**art.drafter_cfg)
-    differ = [f"{k}={getattr(theirs, k)!r}" for k in SEMANTIC_FIELDS if getattr(theirs, k) != getattr(cfg, k)]
+    bridged, state = [], dict(art.state)
+    if not theirs.qk_norm and cfg.qk_norm:
+        bridged.append("q/k norms added at weight 1")
+    if theirs.mask_token_id is None and cfg.mask_token_id is not None:
+        state.pop("mask_embed", None)
+        bridged.append(f"learned mask vector replaced by the target's embedding of token {cfg.mask_token_id}")
+    differ = [f"{k}={getattr(theirs, k)!r}" for k in SEMANTIC_FIELDS if getattr(theirs, k) != getattr(cfg, k)
+              and not (k == "qk_norm" and cfg.qk_norm) and not (k == "mask_token_id" and theirs.mask_token_id is None)]
     if differ:
         raise UserError(f"{src}: that drafter was trained with " + ", ".join(differ) + ": set the same in this recipe")
     own = drafter.state_dict()
-    bad = sorted(set(own) ^ set(art.state)) + [k for k in own if k in art.state and own[k].shape != art.state[k].shape]
+    added = {k for k in own if k.endswith(("q_norm.weight", "k_norm.weight"))} if cfg.qk_norm and not theirs.qk_norm else set()
+    bad = sorted((set(own) - added) ^ set(state)) + [k for k in own if k in state and own[k].shape != state[k].shape]
     if bad:
         raise UserError(f"{src}: weights do not fit this recipe's {cfg.type} drafter ({bad[:3]}): match its layers, heads and sizes")
-    drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in art.state.items()})
-    return art
+    drafter.load_state_dict({**{k: own[k] for k in added}, **{k: v.to(own[k].dtype) for k, v in state.items()}})
+    return art, bridged
 
 
 def _strip(state: dict) -> dict:
@@ -216,17 +228,27 @@ def build(artifact: DrafterArtifact, target):
 FORMATS = ("dstrain", "speculators", "deepspec", "sglang-eagle3")
 
 
-def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain") -> Path:
+def check_export(artifact: DrafterArtifact, fmt: str, engine: str | None = None) -> str:
+    """Refuse before any weights load what `fmt` cannot express or `engine` cannot load (decoding/engines.py);
+    returns the line naming the engine release to serve it with."""
+    from dstrain.decoding import engines
+    from dstrain.recipe import DrafterConfig
+
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: not a format (choose from {', '.join(FORMATS)})")
+    return engines.check(DrafterConfig(**artifact.drafter_cfg), fmt, engine)
+
+
+def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain", engine: str | None = None) -> Path:
     """Write config.json + model.safetensors atomically (staging folder, then rename).
-    fmt: dstrain (our own folder) or speculators (the format vLLM loads; dstrain/decoding/formats.py)."""
+    fmt: dstrain (our own folder) or an engine layout (dstrain/decoding/formats.py), checked against `engine`."""
     import shutil
 
     from safetensors.torch import save_file
 
     from dstrain.models.contract import spec_from_config
 
-    if fmt not in FORMATS:
-        raise UserError(f"--format {fmt}: not a format (choose from {', '.join(FORMATS)})")
+    check_export(artifact, fmt, engine)
     drafter = build(artifact, target)
     spec = spec_from_config(target.model.config, len(target.capture_layers))
     binding = {"target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)}, "target_name": target.name,

@@ -59,27 +59,23 @@ def capture_from_speculators(aux_ids: list[int]) -> list[int]:
     return [int(i) - 1 for i in aux_ids]
 
 
-def check_exportable(cfg) -> None:
-    """One clear line for each drafter setting the speculators DFlash/DSpark/Eagle3 layers cannot express."""
+def exportable_problems(cfg) -> list[str]:
+    """Each drafter setting the speculators DFlash/DSpark/Eagle3/MTP layers cannot express, as the fix to train with."""
     problems = []
     if cfg.ffn.type != "dense":
-        problems.append("drafter.ffn.type=dense (the speculators layer is a dense SwiGLU)")
+        problems.append("drafter.ffn.type=dense (the speculators layer is a dense SwiGLU; no engine format holds an MoE drafter yet)")
     if cfg.type == "mtp":
         if not cfg.qk_norm:
             problems.append("drafter.qk_norm=true (speculators' MTP layer is a Qwen3 layer: q/k normalised per head)")
         if cfg.sliding_window is not None:
             problems.append("drafter.sliding_window=null (the MTP layer attends causally over the whole prefix)")
-        if problems:
-            raise UserError("--format speculators: train the MTP-1 drafter with " + ", ".join(problems) + ", or export --format dstrain")
-        return
+        return problems
     if cfg.type == "eagle3":
         if cfg.qk_norm:
             problems.append("drafter.qk_norm=false (speculators' Eagle3 layer is a Llama layer, no q/k norms)")
         if cfg.sliding_window is not None:
             problems.append("drafter.sliding_window=null (speculators' Eagle3 window is not the packed window)")
-        if problems:
-            raise UserError("--format speculators: train the Eagle3 drafter with " + ", ".join(problems) + ", or export --format dstrain")
-        return
+        return problems
     if cfg.mhc.enabled:
         problems.append("drafter.mhc.enabled=false (no hyper-connections in the speculators layer)")
     if cfg.anchor_context:
@@ -88,9 +84,16 @@ def check_exportable(cfg) -> None:
         problems.append("drafter.qk_norm=true (the speculators layer normalises q and k per head)")
     if cfg.mask_token_id is None:
         problems.append("drafter.mask_token_id=<a token id> (serving engines embed a mask token; a learned mask vector has no place)")
+    return problems
+
+
+def check_exportable(cfg) -> None:
+    """One clear line naming every setting the speculators layers cannot express."""
+    problems = exportable_problems(cfg)
     if problems:
+        kind = {"mtp": "the MTP-1 drafter", "eagle3": "the Eagle3 drafter"}.get(cfg.type, "it")
         raise UserError("--format speculators: this drafter was trained with settings the format cannot express; "
-                        "train it with " + ", ".join(problems) + ", or export --format dstrain")
+                        f"train {kind} with " + ", ".join(problems) + ", or export --format dstrain")
 
 
 def _layer_config(cfg, spec, num_layers: int, model_type: str = "qwen3") -> dict:
