@@ -120,8 +120,8 @@ def train(recipe) -> int:
     mark_done()
     if world.is_main and summary["last"]:
         first, last = summary["first"], summary["last"]
-        print(f"trained {summary['steps']} steps: loss {first['loss']:.4f} -> {last['loss']:.4f}, "
-              f"tau_hat {first['tau_hat']:.3f} -> {last['tau_hat']:.3f}; run dir {run_dir}")
+        print(f"trained {summary['steps']} steps: loss {first['train/loss']:.4f} -> {last['train/loss']:.4f}, "
+              f"tau_hat {first['train/tau_hat']:.3f} -> {last['train/tau_hat']:.3f}; run dir {run_dir}")
         if summary.get("eval"):
             ev = summary["eval"]
             print(f"eval: best tau {ev['best']['tau']:.3f} at step {ev['best']['step']} ({run_dir}/checkpoints/best), "

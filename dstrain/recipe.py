@@ -34,6 +34,8 @@ class RunConfig(Section):
                                    " whose step/phase (or heartbeat) does not move for max(this, stall_factor x its slowest"
                                    " recent step) is named and the job exits (runtime/watchdog.py)")
     stall_factor: float = Field(10.0, gt=0.0, description="stall bound in units of the rank's slowest recent step time")
+    peak_tflops: float | None = Field(None, gt=0.0, description="the device's peak matmul TFLOP/s for train/mfu; default: a table"
+                                      " of known GPUs (dense bf16), none on CPUs (train/tflops is logged either way)")
 
 
 class TargetParallel(Section):

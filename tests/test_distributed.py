@@ -31,7 +31,7 @@ def torchrun(nproc: int, *args, timeout=480, env=None) -> subprocess.CompletedPr
 
 
 def losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl")]
+    return [json.loads(line)["train/loss"] for line in open(run_dir / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_disaggregated_equals_colocated_and_zero_stages_agree(runs):
         print(f"disaggregated {z} vs colocated: max |Δloss| over 5 steps = {worst:.2e}")
         assert worst < TOL, (z, reference, got)
     metrics = [json.loads(line) for line in open(runs / "zero0" / "tiny-moe-dspark" / "metrics.jsonl")]
-    assert all(m["channel_bytes_per_step"] > 0 for m in metrics)
+    assert all(m["train/channel_bytes_per_step"] > 0 for m in metrics)
     sent = [json.loads(line) for f in sorted((runs / "zero0" / "tiny-moe-dspark" / "channel").glob("*.jsonl"))
             for line in open(f)]
     assert sum(r["bytes_sent"] for r in sent) > 0 and {r["step"] for r in sent} == set(range(1, 6))

@@ -99,7 +99,7 @@ def colocated(shards, out, steps, *extra):
 
 
 def metrics(run):  # noqa: E302
-    return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    return {m["step"]: m["train/loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_good_one(shards, tmp_path):

@@ -184,7 +184,7 @@ def test_a_training_run_reuses_the_cache_of_a_previous_run(tmp_path):
     assert cold["feature_cache/misses"] == 8 and cold["feature_cache/written"] == 8  # 4 steps x 2 sequences
     assert warm["feature_cache/hits"] == 8 and warm["feature_cache/misses"] == 0
     # the same features and the same frozen embedding / LM head (read from the checkpoint when the cache is on)
-    assert len({s["last"]["loss"] for s in summaries}) == 1, [s["last"]["loss"] for s in summaries]
+    assert len({s["last"]["train/loss"] for s in summaries}) == 1, [s["last"]["train/loss"] for s in summaries]
 
 
 def test_the_cache_is_a_colocated_feature(tmp_path):

@@ -35,7 +35,7 @@ def test_eval_during_training_logs_keeps_best_and_leaves_training_unchanged(setu
     run_tool(*common(setup, tmp_path / "a", "train.steps=12", *ev))
     run_tool(*common(setup, tmp_path / "b", "train.steps=12"))
     a, b = lines(tmp_path / "a" / "tiny-moe-dspark"), lines(tmp_path / "b" / "tiny-moe-dspark")
-    assert [m["loss"] for m in a] == [m["loss"] for m in b]  # evaluation touches neither the weights nor the RNG
+    assert [m["train/loss"] for m in a] == [m["train/loss"] for m in b]  # evaluation touches neither the weights nor the RNG
     evals = [m for m in a if "eval/tau" in m]
     assert [m["step"] for m in evals] == [4, 8, 12]
     for m in evals:

@@ -71,6 +71,6 @@ def test_expert_load_is_in_the_metrics_and_the_run_summary(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert sorted(summary["expert_load"]) == ["layer0", "layer1"]
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
-    shares = [last[f"expert_load/layer0/e{e}"] for e in range(4)]
-    assert abs(sum(shares) - 4) < 1e-6 and max(shares) == last["expert_load_max/layer0"] == summary["expert_load"]["layer0"]["max"]
-    assert 1.0 <= last["expert_load_step_max/layer0"] <= 2.0
+    shares = [last[f"train/expert_load/layer0/e{e}"] for e in range(4)]
+    assert abs(sum(shares) - 4) < 1e-6 and max(shares) == last["train/expert_load_max/layer0"] == summary["expert_load"]["layer0"]["max"]
+    assert 1.0 <= last["train/expert_load_step_max/layer0"] <= 2.0

@@ -24,7 +24,7 @@ def tiny_shards(tmp_path_factory):
 
 
 def losses(run_dir):
-    return {r["step"]: r["loss"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))}
+    return {r["step"]: r["train/loss"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))}
 
 
 def test_kill9_resume_equals_uninterrupted(tmp_path, tiny_shards):
@@ -89,8 +89,8 @@ def test_autoregressive_families_train_through_the_same_trainer(tmp_path, tiny_s
              *family, f"run.output_dir={tmp_path}")
     summary = json.loads((tmp_path / "tiny-moe-dspark" / "summary.json").read_text())
     gamma = 1 if "mtp" in family[0] else 4
-    assert summary["steps"] == 3 and f"acceptance@{gamma}" in summary["last"] and f"acceptance@{gamma + 1}" not in summary["last"]
-    assert "calibration_error" not in summary["last"] and all(map(math.isfinite, losses(tmp_path / "tiny-moe-dspark").values()))
+    assert summary["steps"] == 3 and f"train/acceptance@{gamma}" in summary["last"] and f"train/acceptance@{gamma + 1}" not in summary["last"]
+    assert "train/calibration_error" not in summary["last"] and all(map(math.isfinite, losses(tmp_path / "tiny-moe-dspark").values()))
 
 
 def test_damaged_checkpoint_and_wrong_world_are_one_line_errors(tmp_path, tiny_shards):

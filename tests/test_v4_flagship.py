@@ -33,7 +33,7 @@ V4 = dict(model_type="deepseek_v4", vocab_size=128, hidden_size=32, num_hidden_l
 def overrides(ckpt, shards, out, layout: list[str], steps: int) -> list[str]:
     return [f"target.path={ckpt}", "target.dtype=float32", "deepspeed.precision=fp32", "world.drafter_ranks=2",
             "world.target.dp=1", *layout, "drafter.num_heads=4", "drafter.head_dim=8", "drafter.ffn.num_experts=4",
-            "drafter.ffn.intermediate_size=32", "drafter.head_rank=16", "drafter.sliding_window=16",
+            "drafter.ffn.intermediate_size=32", "drafter.head_rank=16", "drafter.mask_token_id=127", "drafter.sliding_window=16",
             f"data.shards={shards}", "data.max_length=96", "data.shuffle=false", "anchors.per_sequence=8",
             f"train.steps={steps}", "train.micro_batch_size=1", "train.grad_accum=1", "train.warmup_steps=1",
             "train.log_every=1", "train.checkpoint_every=3", "run.wandb_mode=disabled", f"run.output_dir={out}"]
@@ -53,7 +53,7 @@ def torchrun(*args, timeout=600) -> subprocess.CompletedProcess:
 
 
 def losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl")]
+    return [json.loads(line)["train/loss"] for line in open(run_dir / "metrics.jsonl")]
 
 
 def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_path):
@@ -79,7 +79,7 @@ def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_
     for run in (run_a, run_b):
         assert (run / "checkpoints" / "latest").read_text().strip() == "step-6"
         metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
-        assert all(m["channel_bytes_per_step"] > 0 for m in metrics)
+        assert all(m["train/channel_bytes_per_step"] > 0 for m in metrics)
 
     # the PP=2 run "crashes" after its step-3 checkpoint; the flagship command resumes it
     ckpts = run_b / "checkpoints"

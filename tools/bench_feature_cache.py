@@ -76,8 +76,8 @@ def train_once(args, family: str, round_name: str, shards: Path, cache: Path | N
     summary = json.loads((args.out / "runs" / name / "summary.json").read_text())
     last = summary["last"]
     fc = summary.get("feature_cache", {})
-    return {"round": round_name, "family": family, "wall_s": wall, "target_feature_s": last.get("target_feature_s", float("nan")),
-            "hits": fc.get("feature_cache/hits", 0), "misses": fc.get("feature_cache/misses", 0), "loss": last["loss"]}
+    return {"round": round_name, "family": family, "wall_s": wall, "target_feature_s": last.get("train/target_feature_s", float("nan")),
+            "hits": fc.get("feature_cache/hits", 0), "misses": fc.get("feature_cache/misses", 0), "loss": last["train/loss"]}
 
 
 @cli_main

@@ -45,7 +45,7 @@ def run_variant(args, name: str, overrides: list[str], shards: Path) -> list[dic
 
 
 def report(results: dict[str, list[dict]], at: list[int], last: int) -> dict:
-    layers = sorted({k.split("/")[1] for rows in results.values() for k in rows[0] if k.startswith("expert_load_max/")})
+    layers = sorted({k.split("/")[-1] for rows in results.values() for k in rows[0] if k.startswith("train/expert_load_max/")})
     if not layers:
         raise UserError("the recipe's drafter has no MoE layer (drafter.ffn.type=moe)")
     table = {}
@@ -56,14 +56,14 @@ def report(results: dict[str, list[dict]], at: list[int], last: int) -> dict:
     for name, rows in results.items():
         by_step = {r["step"]: r for r in rows}
         tail = rows[-last:]
-        loss, tau = sum(r["loss"] for r in tail) / len(tail), sum(r["tau_hat"] for r in tail) / len(tail)
+        loss, tau = sum(r["train/loss"] for r in tail) / len(tail), sum(r["train/tau_hat"] for r in tail) / len(tail)
         half = [r for r in rows if r["step"] > rows[-1]["step"] / 2]
         table[name] = {"loss": loss, "tau_hat": tau, "layers": {}}
         for j, layer in enumerate(layers):
-            key = f"expert_load_max/{layer}"
+            key = f"train/expert_load_max/{layer}"
             seq = {s: by_step[s][key] for s in at if s in by_step}
             mean_half = sum(r[key] for r in half) / len(half)
-            table[name]["layers"][layer] = {"at": seq, "second_half_mean": mean_half, "min_last": rows[-1][f"expert_load_min/{layer}"]}
+            table[name]["layers"][layer] = {"at": seq, "second_half_mean": mean_half, "min_last": rows[-1][f"train/expert_load_min/{layer}"]}
             cells = " ".join(f"{seq[s]:6.2f}" if s in seq else f"{'-':>6}" for s in at)
             tail_cols = f" {loss:8.4f} {tau:8.3f}" if j == 0 else ""
             print(f"{name if j == 0 else '':<12} {layer:<7} {cells} {mean_half:9.2f}{tail_cols}")

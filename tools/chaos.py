@@ -62,7 +62,7 @@ def launch(args: list[str], log) -> subprocess.Popen:
 
 def steps_logged(run: Path) -> dict[int, float]:
     try:
-        return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if m}
+        return {m["step"]: m["train/loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if m}
     except (OSError, ValueError):
         return {}
 

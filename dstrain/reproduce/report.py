@@ -31,7 +31,7 @@ def assemble(cfg, data: dict, plan: dict, trains: dict, curves: dict, evals: dic
             "label": FAMILIES[fam].label, "gamma": ev["result"]["gamma"], "steps": share["steps"],
             "anchors_per_sequence": share["anchors"], "supervised_positions": share["positions"],
             "samples_seen": share["samples"], "train_seconds": trains[fam]["seconds"], "eval_seconds": ev["seconds"],
-            "tau_hat_end": (trains[fam].get("last") or {}).get("tau_hat"),
+            "tau_hat_end": (trains[fam].get("last") or {}).get("train/tau_hat"),
             "tau": {d: {**ratio_interval(*_totals(ev, d), samples=n, seed=seed), "rounds": res[d]["rounds"],
                         "reported_tau": res[d]["tau"]} for d in domains},
             "macro": macro_interval({d: _totals(ev, d) for d in domains}, samples=n, seed=seed),

@@ -259,7 +259,7 @@ def _logged_step(run_dir: Path) -> int:
 def training_curve(run_dir: Path) -> list[dict]:
     """Training τ̂ as logged (its own estimate from the TV distances on training batches), by step."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{"step": m["step"], "tau_hat": m["tau_hat"]} for m in map(json.loads, filter(str.strip, lines))]
+    return [{"step": m["step"], "tau_hat": m.get("train/tau_hat", m.get("tau_hat"))} for m in map(json.loads, filter(str.strip, lines))]
 
 
 # --------------------------------------------------------------------------------------------- evaluation

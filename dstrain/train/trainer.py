@@ -91,7 +91,9 @@ class Trainer:
         if recipe.drafter.init_from:  # weights of another drafter (any export format); a resume below overrides them
             from dstrain.decoding.artifacts import init_weights
 
-            init_weights(drafter, recipe.drafter, frozen)
+            _, bridged = init_weights(drafter, recipe.drafter, frozen)
+            if bridged and world.is_main:
+                print(f"drafter.init_from={recipe.drafter.init_from}: bridged to this recipe's settings: {'; '.join(bridged)}", flush=True)
         decay = [p for p in drafter.parameters() if p.dim() >= 2]
         no_decay = [p for p in drafter.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.train.weight_decay},
@@ -105,6 +107,7 @@ class Trainer:
         self.engine, _, _, self.scheduler = deepspeed.initialize(model=DraftStep(drafter, recipe.deepspeed.zero_stage == 3), optimizer=opt, lr_scheduler=sched, mpu=world.mpu,
                                                                  config=deepspeed_config(recipe, universal), dist_init_required=False)
         self.drafter = drafter
+        self.clock = self._step_clock(recipe, frozen, drafter)
         self.step = 0
         self.live_eval = None
         if recipe.eval.every:
@@ -242,6 +245,16 @@ class Trainer:
             out["calibration_error"] = calibration_error(torch.cat(confs).cpu(), torch.cat(labels).cpu())
         return out
 
+    def _step_clock(self, recipe, frozen, drafter):
+        """train/ throughput metrics (train/throughput.py): the drafter's FLOPs per supervised position, counted as the
+        plan counts them (dstrain/flops.py, at the recipe's max_length), against the device's peak."""
+        from dstrain.flops import step_flops
+        from dstrain.targets.configs import size_target
+        from dstrain.train.throughput import StepClock, peak_tflops
+
+        flops = step_flops(recipe, frozen.config, size_target(frozen.config), drafter)
+        return StepClock(flops.drafter_per_position, peak_tflops(self.device, recipe.run.peak_tflops))
+
     def _grad_norm(self) -> float:
         """Norm of the accumulated gradient before clipping (DeepSpeed reports it only for its own optimizers)."""
         reported = self.engine.get_global_grad_norm()
@@ -312,9 +325,13 @@ class Trainer:
             done = self.live_eval is not None and self.live_eval.should_stop()  # a resumed run that had stopped early
             while self.step < r.train.steps and not done:
                 progress(self.step, fetch)
+                t0 = time.perf_counter()
                 micro = self.source.next_step(self.step)
                 progress(self.step, "train")
-                metrics = self.train_step(micro)
+                t1, target_s = time.perf_counter(), getattr(self.source, "feature_s", 0.0)
+                metrics = self.train_step(micro)  # its float() reads wait for the device: t2 - t1 is the step's compute
+                t2 = time.perf_counter()
+                self.clock.add(t1 - t0, t2 - t1, getattr(self.source, "feature_s", 0.0) - target_s, metrics["supervised_positions"])
                 self.step += 1
                 window["steps"] += 1
                 window["bytes"] += self.source.traffic().get("channel_bytes_received", 0)
@@ -330,6 +347,7 @@ class Trainer:
                         metrics["channel_bytes_per_position"] = window["bytes"] / max(window["positions"], 1)
                     metrics.update({"lr": self.scheduler.get_last_lr()[0], "supervised_positions_per_s": window["positions"] / (now - t_last),
                                     "tokens_per_s": window["tokens"] / (now - t_last), "peak_memory_mb": peak_memory_mb(self.device)})
+                    metrics.update(self.clock.metrics())
                     metrics.update(self._expert_load_metrics())
                     metrics.update(self._cache_metrics())
                     monitor.log(self.step, metrics)
@@ -344,18 +362,19 @@ class Trainer:
                               f"in {r.eval.patience} evaluations: stopped at step {self.step} of {r.train.steps}", flush=True)
         finally:
             monitor.close()
-        summary = {"steps": self.step, "resumed_from": self.resumed_from, "first": None, "last": None}
+        summary = {"steps": self.step, "resumed_from": self.resumed_from, "wandb_mode": monitor.wandb_mode, "first": None, "last": None}
         if self.live_eval is not None:
             summary["eval"] = self.live_eval.summary()
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start
             logged = [json.loads(line) for line in monitor.path.read_text().splitlines() if line.strip()]
             summary.update(first=logged[0] if logged else None, last=logged[-1] if logged else None)
-            loads = sorted(k.split("/")[1] for k in (logged[-1] if logged else {}) if k.startswith("expert_load_max/"))
+            loads = sorted(k.split("/")[-1] for k in (logged[-1] if logged else {}) if k.startswith("train/expert_load_max/"))
             if loads:  # 1.0 = even; top_k experts taking every token reads E / top_k
-                seen = {layer: [m[f"expert_load_max/{layer}"] for m in logged if f"expert_load_max/{layer}" in m] for layer in loads}
-                summary["expert_load"] = {layer: {"max": logged[-1][f"expert_load_max/{layer}"], "min": logged[-1].get(f"expert_load_min/{layer}"),
+                seen = {layer: [m[f"train/expert_load_max/{layer}"] for m in logged if f"train/expert_load_max/{layer}" in m] for layer in loads}
+                summary["expert_load"] = {layer: {"max": logged[-1][f"train/expert_load_max/{layer}"], "min": logged[-1].get(f"train/expert_load_min/{layer}"),
                                                   "max_mean_over_run": sum(seen[layer]) / len(seen[layer])} for layer in loads}
-            if logged and "target_feature_s" in logged[-1]:  # cumulative counters: the last line holds the run's totals
-                summary["feature_cache"] = {k: v for k, v in logged[-1].items() if k.startswith(("feature_cache/", "target_feature_s"))}
+            if logged and "train/target_feature_s" in logged[-1]:  # cumulative counters: the last line holds the run's totals
+                summary["feature_cache"] = {k.removeprefix("train/"): v for k, v in logged[-1].items()
+                                            if k.startswith(("train/feature_cache/", "train/target_feature_s"))}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
