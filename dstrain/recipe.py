@@ -23,11 +23,16 @@ class Section(BaseModel):
 
 # ----------------------------------------------------------------------------- run / world
 class RunConfig(Section):
-    name: str = "dstrain"
-    seed: int = 0
-    output_dir: str = "runs"
-    wandb_project: str = "dstrain"
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """Run identity, output folder, monitoring, device and the stall watchdog."""
+
+    name: str = Field("dstrain", description="run name: outputs go to run.output_dir/run.name (checkpoints, metrics.jsonl,"
+                      " summary.json)")
+    seed: int = Field(0, description="seed of weights, anchor sampling, data order and every RNG (a resume restores them)")
+    output_dir: str = Field("runs", description="folder holding one subfolder per run")
+    wandb_project: str = Field("dstrain", description="wandb project the run logs to")
+    wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="wandb: offline files in the run"
+                                                                 " folder, online (needs an API key) or disabled;"
+                                                                 " metrics.jsonl is written in every mode")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="colocated runs: auto = CUDA when torch sees a GPU (one per rank, cuda:LOCAL_RANK), else CPU")
     stall_timeout_s: float = Field(60.0, gt=0.0, description="multi-rank runs: the floor of the stall bound; a rank"
@@ -39,6 +44,8 @@ class RunConfig(Section):
 
 
 class TargetParallel(Section):
+    """How the frozen target is sharded: tensor, pipeline, expert and data parallel sizes (target ranks = tp·pp·dp)."""
+
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     pp: int = Field(1, ge=1, description="pipeline-parallel size")
     ep: int = Field(1, ge=1, description="expert-parallel size (carved out of tp*dp)")
@@ -50,9 +57,15 @@ class TargetParallel(Section):
 
 
 class WorldConfig(Section):
-    mode: Literal["colocated", "disaggregated"] = "colocated"
+    """The process layout: colocated (every rank holds a target replica and a drafter) or disaggregated (drafter
+    ranks 0..D-1, target ranks after them)."""
+
+    mode: Literal["colocated", "disaggregated"] = Field("colocated", description="colocated: each rank holds a whole"
+                                                        " target replica and a drafter; disaggregated: target ranks stream"
+                                                        " features to separate DeepSpeed drafter ranks")
     target: TargetParallel = TargetParallel()
-    drafter_ranks: int = Field(1, ge=1)
+    drafter_ranks: int = Field(1, ge=1, description="DeepSpeed drafter ranks (colocated: equals target.dp; disaggregated:"
+                               " a multiple of target.dp, drafter j fed by target replica j mod dp)")
 
     @property
     def world_size(self) -> int:
@@ -73,17 +86,22 @@ class WorldConfig(Section):
 
 
 class DeepSpeedConfig(Section):
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    precision: Literal["fp32", "bf16"] = "bf16"
+    """The drafter's DeepSpeed engine."""
+
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage over the drafter ranks (0: plain data parallel;"
+                                            " 1/2/3 also partition optimizer state / gradients / parameters)")
+    precision: Literal["fp32", "bf16"] = Field("bf16", description="drafter training precision")
 
 
 # ----------------------------------------------------------------------------- target
 class UpcycleConfig(Section):
-    num_experts: int = Field(8, ge=1)
-    top_k: int = Field(2, ge=1)
-    format: Literal["mixtral"] = "mixtral"
+    """Sparse upcycling of the embedded dense SmolLM2 into a Mixtral-format MoE (target.source=smollm2_moe only)."""
+
+    num_experts: int = Field(8, ge=1, description="experts E each dense MLP is copied into")
+    top_k: int = Field(2, ge=1, description="experts routed per token")
+    format: Literal["mixtral"] = Field("mixtral", description="checkpoint layout of the upcycled model")
     expert_noise: float = Field(0.0, ge=0.0, description="relative std of noise added per expert so routing matters")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the router weights and the expert noise")
 
     @model_validator(mode="after")
     def _check_topk(self) -> "UpcycleConfig":
@@ -93,17 +111,25 @@ class UpcycleConfig(Section):
 
 
 class TargetConfig(Section):
-    name: str
-    backend: Literal["hf", "megatron"] = "hf"
-    source: Literal["path", "smollm2_moe", "random"] = "path"
-    path: str | None = None
+    """The frozen target: where its weights come from, which backend runs it, which layers feed the drafter."""
+
+    name: str = Field(..., description="the target's name, recorded in shards and exports; the loader checks that the"
+                      " shards were made for it")
+    backend: Literal["hf", "megatron"] = Field("hf", description="hf: transformers, one whole replica per rank; megatron:"
+                                               " megatron-core sharded TP x PP x EP over its own ranks (world.mode="
+                                               "disaggregated)")
+    source: Literal["path", "smollm2_moe", "random"] = Field("path", description="path: a local Hugging Face folder"
+                                                             " (target.path); smollm2_moe: the embedded SmolLM2-135M-Instruct,"
+                                                             " upcycled; random: random weights from target.hf_config")
+    path: str | None = Field(None, description="source=path: the target's Hugging Face folder (config.json + safetensors)")
     hf_config: dict[str, Any] | None = Field(
         None, description="transformers config kwargs incl. model_type; builds a random target, or sizes the plan when the path is absent"
     )
-    upcycle: UpcycleConfig | None = None
+    upcycle: UpcycleConfig | None = Field(None, description="source=smollm2_moe: the upcycling (its defaults when absent)")
     capture_layers: list[int] | None = Field(None, description="target layers whose outputs feed the drafter; default: evenly spaced")
-    num_capture: int = Field(3, ge=1)
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    num_capture: int = Field(3, ge=1, description="how many evenly spaced layers to capture when capture_layers is unset")
+    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="dtype the target is loaded and run in (FP8 and"
+                                                  " FP4 checkpoint tensors are dequantised to it)")
 
     @model_validator(mode="after")
     def _check_source(self) -> "TargetConfig":
@@ -123,12 +149,15 @@ class TargetConfig(Section):
 
 # ----------------------------------------------------------------------------- drafter
 class FFNConfig(Section):
-    type: Literal["dense", "moe"] = "dense"
+    """The drafter layers' feed-forward block: a dense SwiGLU or a routed MoE of SwiGLU experts."""
+
+    type: Literal["dense", "moe"] = Field("dense", description="dense SwiGLU or MoE (engine formats take dense only)")
     intermediate_size: int | None = Field(None, ge=1, description="default: the target's (per-expert for moe)")
-    num_experts: int = Field(8, ge=1)
-    top_k: int = Field(2, ge=1)
-    shared_expert: bool = False
-    balance: Literal["aux_loss", "bias_update"] = "aux_loss"
+    num_experts: int = Field(8, ge=1, description="type=moe: routed experts per layer")
+    top_k: int = Field(2, ge=1, description="type=moe: experts per token")
+    shared_expert: bool = Field(False, description="type=moe: one always-active shared expert besides the routed ones")
+    balance: Literal["aux_loss", "bias_update"] = Field("aux_loss", description="type=moe: load balancing by the Switch"
+                                                        " auxiliary loss, or by DeepSeek-V3's per-expert routing bias")
     aux_loss_coef: float = Field(0.1, ge=0.0, description="balance=aux_loss: weight of the Switch balance loss. 0.01 let the "
                                                          "demo drafter's routers collapse (one expert in every token's top 2, "
                                                          "one never chosen); 0.1 kept every expert in use (tools/bench_moe_balance.py)")
@@ -143,23 +172,34 @@ class FFNConfig(Section):
 
 
 class MHCConfig(Section):
-    enabled: bool = False
-    streams: int = Field(4, ge=2)
-    sinkhorn_iters: int = Field(20, ge=1)
+    """Hyper-connections (mHC): n residual streams, mixed around every drafter sublayer."""
+
+    enabled: bool = Field(False, description="n residual streams instead of one (block drafters; engine formats take"
+                          " none)")
+    streams: int = Field(4, ge=2, description="number of residual streams n")
+    sinkhorn_iters: int = Field(20, ge=1, description="Sinkhorn-Knopp iterations projecting the stream mix onto doubly"
+                                " stochastic matrices")
 
 
 class DrafterConfig(Section):
-    type: Literal["dspark", "dflash", "eagle3", "mtp"] = "dspark"
-    num_layers: int = Field(5, ge=1)
+    """The drafter family and its architecture. Its embedding and LM head are always the target's, frozen."""
+
+    type: Literal["dspark", "dflash", "eagle3", "mtp"] = Field("dspark", description="dspark: parallel block backbone +"
+                                                               " sequential head + confidence head; dflash: the backbone"
+                                                               " alone; eagle3: one autoregressive layer trained with"
+                                                               " training-time test; mtp: DeepSeek-V3-style MTP-1")
+    num_layers: int = Field(5, ge=1, description="draft transformer layers (eagle3 and mtp: 1)")
     block_size: int = Field(7, ge=1, description="gamma: anchor + gamma-1 mask tokens")
     sliding_window: int | None = Field(None, ge=1, description="context tokens visible before the anchor")
     num_heads: int | None = Field(None, ge=1, description="default: the target's")
-    head_dim: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=1, description="attention head size; default: the target's")
     ffn: FFNConfig = FFNConfig()
     mhc: MHCConfig = MHCConfig()
-    head: Literal["markov", "rnn", "none"] = "markov"
+    head: Literal["markov", "rnn", "none"] = Field("markov", description="sequential head over the previous token:"
+                                                   " markov (low-rank bias W1[x] W2), rnn (gated state carried through"
+                                                   " the block) or none (dflash, eagle3, mtp)")
     head_rank: int = Field(256, ge=1, description="r of the Markov/RNN head")
-    confidence: bool = True
+    confidence: bool = Field(True, description="confidence head estimating each slot's acceptance (dspark only)")
     qk_norm: bool = Field(False, description="per-head RMSNorm on queries and keys (Qwen3-style; the speculators/vLLM/SGLang "
                                               "DFlash and DSpark layers have it: needed to export to those formats)")
     sample_from_anchor: bool = Field(True, description="True: the anchor slot predicts (block_size slots, block_size "
@@ -195,35 +235,45 @@ class DrafterConfig(Section):
 
 
 class LossConfig(Section):
-    alpha_ce: float = Field(0.1, ge=0.0)
-    alpha_tv: float = Field(0.9, ge=0.0)
-    alpha_conf: float = Field(1.0, ge=0.0)
+    """Loss weights: cross-entropy, total-variation distance to the target, confidence BCE."""
+
+    alpha_ce: float = Field(0.1, ge=0.0, description="weight of the cross-entropy against the data tokens")
+    alpha_tv: float = Field(0.9, ge=0.0, description="weight of the L1 distance between draft and target distributions")
+    alpha_conf: float = Field(1.0, ge=0.0, description="weight of the confidence BCE against 1 - L1/2 (needs"
+                              " drafter.confidence)")
     gamma_decay: float = Field(4.0, gt=0.0, description="position weights exp(-(k-1)/gamma_decay)")
 
 
 class AnchorConfig(Section):
+    """Where blocks start in each training sequence."""
+
     per_sequence: int = Field(512, ge=1, description="K anchors sampled per sequence (without replacement)")
 
 
 # ----------------------------------------------------------------------------- data / train
 class DataConfig(Section):
+    """The training shards (made by the shards step of the data pipeline)."""
+
     shards: str = Field(..., description="folder holding manifest.json and the .tar shards")
-    max_length: int = Field(2048, ge=2)
-    shuffle: bool = True
+    max_length: int = Field(2048, ge=2, description="sequences longer than this are cut when loaded")
+    shuffle: bool = Field(True, description="seeded shuffle of shard order and of samples inside each shard, per epoch")
 
 
 class TrainConfig(Section):
-    steps: int = Field(1000, ge=1)
+    """Optimisation (AdamW, warmup + cosine), logging, checkpoints and the target feature caches."""
+
+    steps: int = Field(1000, ge=1, description="optimizer steps")
     micro_batch_size: int = Field(4, ge=1, description="sequences per micro-batch per drafter rank")
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(6e-4, gt=0.0)
-    min_lr: float = Field(6e-5, ge=0.0)
-    warmup_steps: int = Field(50, ge=0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    clip_grad: float = Field(1.0, gt=0.0)
-    log_every: int = Field(10, ge=1)
-    checkpoint_every: int = Field(200, ge=1)
-    keep_checkpoints: int = Field(3, ge=1)
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step (normalised by the supervised weight of"
+                            " the whole accumulated batch)")
+    lr: float = Field(6e-4, gt=0.0, description="peak learning rate (AdamW)")
+    min_lr: float = Field(6e-5, ge=0.0, description="learning rate at the end of the cosine decay")
+    warmup_steps: int = Field(50, ge=0, description="linear warmup steps")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    clip_grad: float = Field(1.0, gt=0.0, description="gradient norm clipping")
+    log_every: int = Field(10, ge=1, description="steps between logged metric lines (metrics.jsonl, wandb)")
+    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept (checkpoints/best is kept apart)")
     target_cache_mb: int = Field(0, ge=0, description="colocated: keep per-sample target features (frozen target) up to this size")
     feature_cache_dir: str | None = Field(None, description="colocated: an on-disk cache of target features, keyed by the target's "
                                           "fingerprint, capture layers, dtype and each sample's token ids, reused across epochs, "
@@ -238,6 +288,8 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
+    """Speculative decoding against the run's own target during training (colocated runs)."""
+
     every: int = Field(0, ge=0, description="speculative decoding against the target every N steps and at the last step "
                                             "(0 = off): eval/tau and eval/acceptance@k in wandb and summary.json, the best "
                                             "drafter by eval τ kept in checkpoints/best (colocated runs)")
@@ -246,7 +298,7 @@ class EvalConfig(Section):
     corpus: str | None = Field(None, description="the packed corpus whose held-out split eval.prompts=held_out reads "
                                                  "(null = the shipped corpus/smollm2_moe); it must be the run's target's")
     per_domain: int = Field(8, ge=1, description="prompts per domain (the first of each domain in file order)")
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(64, ge=1, description="tokens generated per prompt")
     batch: int = Field(8, ge=1, description="prompts decoded together")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature of target and drafter (paper: T = 1)")
     patience: int = Field(0, ge=0, description="stop training after this many evaluations in a row without a new best "

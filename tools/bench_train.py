@@ -3,7 +3,7 @@
 
 In the same run, per (anchors per sequence, sliding window, context length), all with the same DSpark drafter
 weights, sequences, anchors and target features (every path computes the same loss, printed as a check):
-  floor     what any drafter step must do per supervised position (DESIGN §6): three d x V GEMMs — target
+  floor     what any drafter step must do per supervised position (docs/benchmarks.md, "The vocabulary floor"): three d x V GEMMs — target
             logits [N x d]@[d x V], draft logits, and the draft logits' backward into the hidden state
             [N x V]@[V x d] — timed in the packed step's process, at its N, dtype and device;
   packed    ours: anchor-bounded packing, context keys shared by blocks with overlapping ranges (KeyGroups),
@@ -124,7 +124,7 @@ def timed(run, repeats: int, device: torch.device, cleanup=lambda: None, warmup:
 
 
 def floor_measure(lm_head, positions: int, repeats: int) -> dict:
-    """The three d x V GEMMs of DESIGN §6 at N = supervised positions, in the LM head's dtype and device."""
+    """The three d x V GEMMs of the vocabulary floor (docs/benchmarks.md) at N = supervised positions, in the LM head's dtype and device."""
     w = lm_head.weight
     n, (vocab, d) = positions, w.shape
     gen = torch.Generator(w.device).manual_seed(1)

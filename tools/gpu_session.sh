@@ -5,7 +5,7 @@
 #   OUT=/tmp/gs PIP_PY=python3.12 bash tools/gpu_session.sh --cpu-dry   # here: every stage on the CPU, tiny sizes
 #
 # Stages (each time-limited, its output tee'd to $OUT/<stage>.log; a failed stage does not stop the next):
-#   setup     install the carried wheels (.whl/, see README "GPU session") into /tmp/site; versions; nvidia-smi -L
+#   setup     install the carried wheels (.whl/, see docs/benchmarks.md "GPU session") into /tmp/site; versions; nvidia-smi -L
 #   train     colocated CUDA bf16 training of recipes/tiny_moe.yaml (target grown so a step takes measurable time)
 #             on synthetic shards, checkpointed; then resumed from the middle checkpoint: the resumed steps'
 #             losses against the uninterrupted run's

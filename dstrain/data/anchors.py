@@ -1,4 +1,4 @@
-"""Anchor sampling and block labels (DESIGN.md §3, paper §3.1).
+"""Anchor sampling and block labels (docs/concepts.md, paper §3.1).
 
 A block starts at anchor a: its inputs are x_a then γ−1 mask tokens, and its γ outputs predict
 x_{a+1} … x_{a+γ}. Candidates are positions i with loss_mask[i] and loss_mask[i+1]; K anchors are
