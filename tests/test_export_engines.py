@@ -103,3 +103,12 @@ def test_export_refuses_before_loading_weights_and_init_from_bridges_to_exportab
     nk, _, d = _drafter(["drafter.qk_norm=false", "drafter.mask_token_id=509", f"drafter.init_from={folder}"], seed=3)
     _, bridged = artifacts.init_weights(d, nk.drafter, target)
     assert bridged == ["learned mask vector replaced by the target's embedding of token 509"]
+
+
+def test_the_plan_says_which_engines_will_load_the_drafter():
+    from dstrain.plan import build_plan, format_plan
+
+    dense = format_plan(build_plan(load_recipe(ROOT / "recipes/qwen3_moe.yaml")), "qwen3_moe")
+    assert "  serving  vllm (--format speculators): loads | sglang (--format deepspec): loads" in dense
+    v4 = format_plan(build_plan(load_recipe(ROOT / "recipes/v4_flash.yaml")), "v4_flash")
+    assert "vllm (--format speculators): refused, needs drafter.ffn.type=dense; drafter.mhc.enabled=false" in v4
