@@ -106,7 +106,13 @@ class TargetConfig(Section):
     @model_validator(mode="after")
     def _check_source(self) -> "TargetConfig":
         if self.source == "path" and not self.path:
-            raise ValueError("source=path needs target.path (a local Hugging Face folder)")
+            raise ValueError("source=path needs target.path (a local Hugging Face folder or a cached hub id org/name)")
+        if self.source == "path":
+            from dstrain.targets.hub import resolve_target_path
+
+            resolved = resolve_target_path(self.path, required=self.hf_config is None)  # hub id -> cached snapshot
+            if resolved != self.path:
+                self.path = resolved
         if self.source == "random" and not (self.hf_config and "model_type" in self.hf_config):
             raise ValueError("source=random needs target.hf_config with a model_type")
         if self.source == "smollm2_moe" and self.upcycle is None:
@@ -362,9 +368,9 @@ def parse_recipe(tree: dict, source: str = "<recipe>") -> Recipe:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"recipe {path}: no such file (shipped recipes are in recipes/)")
+    from dstrain.recipe_files import resolve_recipe_path
+
+    path = resolve_recipe_path(path)  # a file, or the name of a shipped recipe (dstrain/recipes/NAME.yaml)
     try:
         tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
