@@ -118,7 +118,7 @@ class TargetConfig(Section):
         if self.source == "smollm2_moe" and self.upcycle is None:
             self.upcycle = UpcycleConfig()
         if self.source != "smollm2_moe" and self.upcycle is not None:
-            raise ValueError("target.upcycle applies only to source=smollm2_moe (use tools/upcycle_moe.py for other models)")
+            raise ValueError("target.upcycle applies only to source=smollm2_moe (use dstrain upcycle for other models)")
         if self.capture_layers is not None:
             if not self.capture_layers or len(set(self.capture_layers)) != len(self.capture_layers):
                 raise ValueError("capture_layers must be a non-empty list of distinct layer indices")
@@ -289,7 +289,7 @@ class Recipe(Section):
             raise ValueError("train.min_lr must not exceed train.lr")
         if self.eval.every and self.world.mode == "disaggregated":
             raise ValueError("eval.every decodes with the target in the drafter's process (colocated runs): set eval.every=0"
-                             " and evaluate checkpoints with tools/evaluate.py")
+                             " and evaluate checkpoints with dstrain eval")
         if self.eval.every and self.deepspeed.zero_stage == 3:
             raise ValueError("eval.every reads the drafter's whole weights; ZeRO-3 partitions them: set eval.every=0 or"
                              " deepspeed.zero_stage<=2")

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 
-
 def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", action="append", required=True, metavar="[NAME=]PATH", help="repeat to compare drafters")

@@ -13,9 +13,7 @@ another target is a one-line error.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
 
 
 def parser(prog: str | None) -> argparse.ArgumentParser:
