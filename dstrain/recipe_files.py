@@ -6,6 +6,7 @@ so `dstrain train v4_flash` and `dstrain train recipes/v4_flash.yaml` mean the s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from dstrain.errors import UserError
@@ -19,13 +20,15 @@ def shipped_recipes() -> dict[str, Path]:
 
 
 def describe(path: Path) -> str:
-    """A recipe's one-line description: the first comment line of its YAML."""
+    """A recipe's one-line description: the first sentence of the comment block that opens its YAML (a sentence
+    may wrap over several comment lines)."""
+    lines = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-        if line.strip():
+        if not line.startswith("#"):
             break
-    return ""
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    return re.split(r"(?<=[.!?])\s+(?=[A-Z])", text, maxsplit=1)[0]
 
 
 def resolve_recipe_path(arg: str | Path) -> Path:
