@@ -31,9 +31,9 @@ def describe(path: Path) -> str:
     return re.split(r"(?<=[.!?])\s+(?=[A-Z])", text, maxsplit=1)[0]
 
 
-def resolve_recipe_path(arg: str | Path) -> Path:
+def resolve_recipe_path(arg: str | Path, what: str = "recipe") -> Path:
     """An existing file as given; otherwise a bare name (no '/') is a shipped recipe. Anything else is one line
-    naming what exists."""
+    naming what exists; `what` is how the message names the argument (e.g. --recipe)."""
     path = Path(arg)
     if path.is_file():
         return path
@@ -43,5 +43,5 @@ def resolve_recipe_path(arg: str | Path) -> Path:
         name = text[: -len(".yaml")] if text.endswith(".yaml") else text
         if name in shipped:
             return shipped[name]
-        raise UserError(f"recipe {text}: no such file and no shipped recipe of that name (shipped: {', '.join(shipped)})")
-    raise UserError(f"recipe {text}: no such file (or name a shipped recipe: {', '.join(shipped)})")
+        raise UserError(f"{what} {text}: no such file and no shipped recipe of that name (shipped: {', '.join(shipped)})")
+    raise UserError(f"{what} {text}: no such file (or name a shipped recipe: {', '.join(shipped)})")

@@ -97,7 +97,7 @@ def make_config(args):
     cache = None if args.no_feature_cache else Path(args.feature_cache) if args.feature_cache else out / "feature_cache"
     from dstrain.recipe_files import resolve_recipe_path
 
-    args.recipe = str(resolve_recipe_path(args.recipe))  # a file or a shipped recipe's name
+    args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))  # a file or a shipped recipe's name
     return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=Path(args.corpus).resolve(), families=families,
                   device=args.device, seed=args.seed, feature_cache=cache and cache.resolve(),
                   feature_cache_gb=args.feature_cache_gb, threads=args.threads, bootstrap_samples=args.bootstrap,

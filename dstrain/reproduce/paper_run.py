@@ -21,7 +21,7 @@ def make_config(args, sizes):
             raise UserError("--device cuda: torch sees no GPU here; run with --device cpu")
     from dstrain.recipe_files import resolve_recipe_path
 
-    args.recipe = str(resolve_recipe_path(args.recipe))  # a file or a shipped recipe's name
+    args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))  # a file or a shipped recipe's name
     out = Path(args.out).resolve()
     cache = None if args.no_feature_cache else Path(args.feature_cache) if args.feature_cache else out / "feature_cache"
     return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=Path(args.corpus).resolve(),
