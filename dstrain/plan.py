@@ -191,7 +191,7 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
             f" tokens, T={e.temperature:g}, batch {e.batch}; best by eval tau -> checkpoints/best"
             + (f"; stop after {e.patience} evaluations without a gain > {e.min_delta:g}" if e.patience else ""))
     else:
-        add("  eval     off during training (eval.every=0); evaluate checkpoints with tools/evaluate.py")
+        add("  eval     off during training (eval.every=0); evaluate checkpoints with dstrain eval")
     f = plan.flops
     add(f"  work     target forward {_n(f.target_per_token)}FLOP/token ({_n(f.target_per_sequence)}FLOP per {r.data.max_length}-token sequence);"
         f" drafter step {_n(f.drafter_per_position)}FLOP per supervised position x {f.positions_per_sequence} per sequence"

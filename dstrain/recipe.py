@@ -134,13 +134,19 @@ class TargetConfig(Section):
     @model_validator(mode="after")
     def _check_source(self) -> "TargetConfig":
         if self.source == "path" and not self.path:
-            raise ValueError("source=path needs target.path (a local Hugging Face folder)")
+            raise ValueError("source=path needs target.path (a local Hugging Face folder or a cached hub id org/name)")
+        if self.source == "path":
+            from dstrain.targets.hub import resolve_target_path
+
+            resolved = resolve_target_path(self.path, required=self.hf_config is None)  # hub id -> cached snapshot
+            if resolved != self.path:
+                self.path = resolved
         if self.source == "random" and not (self.hf_config and "model_type" in self.hf_config):
             raise ValueError("source=random needs target.hf_config with a model_type")
         if self.source == "smollm2_moe" and self.upcycle is None:
             self.upcycle = UpcycleConfig()
         if self.source != "smollm2_moe" and self.upcycle is not None:
-            raise ValueError("target.upcycle applies only to source=smollm2_moe (use tools/upcycle_moe.py for other models)")
+            raise ValueError("target.upcycle applies only to source=smollm2_moe (use dstrain upcycle for other models)")
         if self.capture_layers is not None:
             if not self.capture_layers or len(set(self.capture_layers)) != len(self.capture_layers):
                 raise ValueError("capture_layers must be a non-empty list of distinct layer indices")
@@ -337,7 +343,7 @@ class Recipe(Section):
             raise ValueError("train.min_lr must not exceed train.lr")
         if self.eval.every and self.world.mode == "disaggregated":
             raise ValueError("eval.every decodes with the target in the drafter's process (colocated runs): set eval.every=0"
-                             " and evaluate checkpoints with tools/evaluate.py")
+                             " and evaluate checkpoints with dstrain eval")
         if self.eval.every and self.deepspeed.zero_stage == 3:
             raise ValueError("eval.every reads the drafter's whole weights; ZeRO-3 partitions them: set eval.every=0 or"
                              " deepspeed.zero_stage<=2")
@@ -416,9 +422,9 @@ def parse_recipe(tree: dict, source: str = "<recipe>") -> Recipe:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"recipe {path}: no such file (shipped recipes are in recipes/)")
+    from dstrain.recipe_files import resolve_recipe_path
+
+    path = resolve_recipe_path(path)  # a file, or the name of a shipped recipe (dstrain/recipes/NAME.yaml)
     try:
         tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Train a DSpark drafter on a Slurm cluster: one torchrun per node, rendezvous from the Slurm environment.
 #
-#   sbatch --nodes 4 slurm/train_dspark_moe.sh recipes/qwen3_moe.yaml [section.key=value ...]
+#   sbatch --nodes 4 slurm/train_dspark_moe.sh qwen3_moe [section.key=value ...]   # a shipped recipe name, or a YAML path
 #
 # Layout: the recipe's world (world.drafter_ranks + world.target tp*pp*dp, or the colocated replicas) must equal
 # nodes x DSTRAIN_NPROC_PER_NODE. Ranks are numbered node by node and drafters come first, so the first
@@ -38,7 +38,7 @@ NODES=($(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}"))
 LOG_DIR=${DSTRAIN_LOG_DIR:-$REPO/logs/slurm-${SLURM_JOB_ID:-local}}
 mkdir -p "$LOG_DIR"
 
-WORLD_JSON=$("$PY" dstrain/main.py "$RECIPE" "$@" --print-world)
+WORLD_JSON=$("$PY" -m dstrain train "$RECIPE" "$@" --print-world)
 read -r WORLD DRAFTERS <<<"$("$PY" -c 'import json,sys; w=json.loads(sys.argv[1]); print(w["world_size"], w["drafter_ranks"])' "$WORLD_JSON")"
 if (( WORLD != NNODES * DSTRAIN_NPROC_PER_NODE )); then
   echo "error: the recipe's world needs $WORLD processes but the job has $NNODES node(s) x $DSTRAIN_NPROC_PER_NODE;" \
@@ -71,5 +71,5 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$LOG_DIR/node-%n.log" \
   bash -c 'py=$1; shift; exec "$py" -m torch.distributed.run --node-rank "$SLURM_NODEID" "$@"' _ "$PY" \
   --nnodes "$NNODES" --nproc-per-node "$DSTRAIN_NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
   --max-restarts "${DSTRAIN_MAX_RESTARTS:-2}" \
-  dstrain/main.py "$RECIPE" "$@" &
+  -m dstrain train "$RECIPE" "$@" &
 wait $!

@@ -124,10 +124,7 @@ def test_corpus_of_another_target_or_tampered_is_refused(tmp_path, default_targe
 def test_demo_trains_from_scratch_when_its_data_changed(tmp_path):
     """make demo resumes its training run, but a run trained on other data (an older corpus) would be refused by the
     trainer's resume check: the demo moves it aside and starts fresh; the same data resumes."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tools"))
-    from demo import start_fresh_if_data_changed
+    from dstrain.cli.demo import start_fresh_if_data_changed
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)  # a run from before the marker existed

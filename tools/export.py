@@ -1,53 +1,7 @@
 #!/usr/bin/env python
-"""Export a trained drafter as a self-describing Hugging Face style folder: config.json (drafter and target
-sections, the target's capture layers, a fingerprint of its frozen embedding and LM head, STS temperatures)
-and model.safetensors (trainable weights only: the embedding and LM head stay the target's). --format speculators
-writes the layout vLLM's speculators loader reads (DSpark / DFlash drafters trained with drafter.qk_norm=true,
-drafter.mask_token_id set, a dense FFN and no mHC); evaluate.py and calibrate.py read either.
+"""`dstrain export` (dstrain/cli/export.py), kept under this name so existing commands and scripts keep working."""
 
-  tools/export.py runs/smollm2-moe-dspark exports/smollm2-moe-dspark
-
-tools/evaluate.py and tools/calibrate.py load the folder without the training recipe; loading it against
-another target is a one-line error.
-"""
-
-from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dstrain.errors import cli_main  # noqa: E402
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", help="training run folder (or an export folder, to re-export)")
-    ap.add_argument("out", help="folder to write (replaced atomically)")
-    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3"],
-                    help="dstrain: our own folder; speculators: the format vLLM loads (DSpark, DFlash, Eagle3, MTP-1); deepspec: "
-                         "the DSpark layout SGLang's DSparkDraftModel reads; sglang-eagle3: SGLang's own Eagle3 layout "
-                         "(see dstrain/decoding/formats.py)")
-    ap.add_argument("--engine", choices=["vllm", "sglang", "speculators", "dstrain"],
-                    help="the program that will load the export (default: the format's: speculators -> vllm, deepspec and "
-                         "sglang-eagle3 -> sglang); what it cannot load is refused before any weights load, and the minimum "
-                         "release is printed (dstrain/decoding/engines.py)")
-    ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
-    args = ap.parse_args()
-    from dstrain.decoding import artifacts
-
-    art = artifacts.read_artifact(args.run, None, args.recipe)
-    loads_in = artifacts.check_export(art, args.format, args.engine)
-    target = artifacts.load_target_for(art)
-    out = artifacts.export(art, target, Path(args.out), args.format, args.engine)
-    params = sum(v.numel() for v in art.state.values())
-    sts = "STS temperatures " + ", ".join(f"{t:.2f}" for t in art.temperatures) if art.temperatures else "not calibrated yet"
-    print(f"exported {art.drafter_cfg['type']} drafter ({params / 1e6:.2f}M weights, step {art.steps}) for {target.name} "
-          f"[fingerprint {artifacts.fingerprint(target)}], {sts} -> {out} ({args.format} format; {loads_in})")
-    return 0
-
+from dstrain.cli import tool_main
 
 if __name__ == "__main__":
-    cli_main(main)()
+    tool_main("export")

@@ -1,65 +1,7 @@
 #!/usr/bin/env python
-"""Regenerated conversations → token ids + loss masks → webdataset .tar shards with a manifest."""
+"""`dstrain data shards` (dstrain/cli/data_shards.py), kept under this name so existing commands and scripts keep working."""
 
-from __future__ import annotations
-
-import argparse
-import json
-
-from dstrain.errors import UserError, cli_main
-
-
-@cli_main
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--inputs", nargs="+", required=True, help="conversation JSONL files (tools/regenerate.py output)")
-    ap.add_argument("--out", required=True, help="output folder for shard-*.tar and manifest.json")
-    ap.add_argument("--recipe", help="take tokenizer, target name and max_length from this recipe's target and data")
-    ap.add_argument("--tokenizer", help="a Hugging Face folder with the target's tokenizer (instead of --recipe)")
-    ap.add_argument("--target-name", help="target name recorded in the manifest (instead of --recipe)")
-    ap.add_argument("--max-length", type=int, help="truncate to this many tokens (default: the recipe's data.max_length or 2048)")
-    ap.add_argument("--min-loss-tokens", type=int, default=16, help="drop (and count) samples with fewer supervised tokens")
-    ap.add_argument("--thinking", choices=["strip", "keep"], default="strip", help="<think> blocks in answers (default: strip)")
-    ap.add_argument("--overlong", choices=["truncate", "drop"], default="truncate")
-    ap.add_argument("--samples-per-shard", type=int, default=1000)
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args()
-
-    from transformers import AutoTokenizer
-
-    from dstrain.data.shards import build_shards
-    from dstrain.data.tokenize import TokenizeConfig
-
-    max_length, folder, name = args.max_length, args.tokenizer, args.target_name
-    if args.recipe:
-        from dstrain.recipe import load_recipe
-        from dstrain.targets import target_folder
-
-        recipe = load_recipe(args.recipe)
-        folder = folder or target_folder(recipe.target)
-        name = name or recipe.target.name
-        max_length = max_length or recipe.data.max_length
-    if not folder or not name:
-        raise UserError("give --recipe, or both --tokenizer and --target-name")
-    try:
-        tok = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--tokenizer {folder}: cannot load a tokenizer there ({str(exc).splitlines()[0]})") from None
-    if not tok.is_fast or not tok.chat_template:
-        raise UserError(f"tokenizer {folder}: needs a fast tokenizer with a chat template")
-    cfg = TokenizeConfig(max_length or 2048, args.min_loss_tokens, args.thinking, args.overlong)
-    man = build_shards(args.inputs, args.out, tok, cfg, name, args.samples_per_shard, args.overwrite, progress=not args.no_progress)
-    c = man["counts"]
-    print(f"wrote {c['samples']} samples in {len(man['shards'])} shard(s) to {args.out}: {c['tokens']} tokens, "
-          f"{c['loss_tokens']} supervised, {c['truncated']} truncated; tokenizer {man['tokenizer']['fingerprint']}")
-    bad = man["bad_data"]
-    if bad["counts"]:
-        print("bad data (skipped, counted): " + json.dumps(bad["counts"]))
-        for line in bad["examples"][:10]:
-            print("  " + line)
-    return 0
-
+from dstrain.cli import tool_main
 
 if __name__ == "__main__":
-    main()
+    tool_main("data_shards")

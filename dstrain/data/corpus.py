@@ -58,7 +58,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def manifest(folder: Path = DEFAULT) -> dict:
     path = Path(folder) / "manifest.json"
     if not path.is_file():
-        raise UserError(f"{folder}: no manifest.json — not a packed corpus (run tools/pack_corpus.py {folder})")
+        raise UserError(f"{folder}: no manifest.json — not a packed corpus (run dstrain data pack {folder})")
     return json.loads(path.read_text())
 
 
@@ -72,7 +72,7 @@ def pack(folder: Path, target_folder: str, make_prompts: dict | None = None) -> 
     folder = Path(folder)
     raw_path, prompts_path = folder / "conversations.jsonl", folder / "prompts.jsonl"
     if not raw_path.is_file() or not prompts_path.is_file():
-        raise UserError(f"{folder}: needs prompts.jsonl and conversations.jsonl (tools/regenerate.py writes the latter)")
+        raise UserError(f"{folder}: needs prompts.jsonl and conversations.jsonl (dstrain data regenerate writes the latter)")
     raw = raw_path.read_bytes()
     keep = raw.rfind(b"\n") + 1  # a torn last line (regeneration still running) is not packed
     raw = raw[:keep]
@@ -117,7 +117,7 @@ def _records(folder: Path) -> bytes:
     except (OSError, lzma.LZMAError) as exc:
         raise UserError(f"{path}: unreadable ({exc}); restore it with `git checkout -- {path}`") from None
     if _sha256(raw) != man["sha256"]["conversations.jsonl"]:
-        raise UserError(f"{path}: content does not match manifest.json; repack with tools/pack_corpus.py")
+        raise UserError(f"{path}: content does not match manifest.json; repack with dstrain data pack")
     return raw
 
 
@@ -127,7 +127,7 @@ def resplit(folder: Path) -> dict:
     man = manifest(folder)
     prompts_path = Path(folder) / "prompts.jsonl"
     if _sha256(prompts_path.read_bytes()) != man["sha256"]["prompts.jsonl"]:
-        raise UserError(f"{prompts_path}: does not match manifest.json; repack with tools/pack_corpus.py")
+        raise UserError(f"{prompts_path}: does not match manifest.json; repack with dstrain data pack")
     man["held_out"] = split_of(prompts_path)
     _write_atomic(Path(folder) / "manifest.json", (json.dumps(man, indent=1) + "\n").encode())
     return man
@@ -147,7 +147,7 @@ def unpack(folder: Path, out: Path, split: str = "all") -> int:
 
 
 def held_out_prompts(folder: Path, out: Path) -> int:
-    """The held-out prompts (any not yet answered included) as a prompts JSONL, for tools/evaluate.py."""
+    """The held-out prompts (any not yet answered included) as a prompts JSONL, for dstrain eval."""
     man = manifest(folder)
     keep = set(man["held_out"]["ids"])
     lines = [line for line in (Path(folder) / "prompts.jsonl").read_text().splitlines()
@@ -171,5 +171,5 @@ def check_target(folder: Path, target_folder: str, target_name: str) -> dict:
     for key, value in have.items():
         if want[key] != value:
             raise UserError(f"{folder}: made by a target with {key} {want[key]}, this target ({target_folder}) has {value}; "
-                            "regenerate the corpus with this target (tools/regenerate.py) or use the recipe it was made for")
+                            "regenerate the corpus with this target (dstrain data regenerate) or use the recipe it was made for")
     return man

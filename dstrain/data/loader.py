@@ -36,11 +36,11 @@ def load_manifest(folder: str | Path, expect_target: str | None = None, expect_f
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
-        raise UserError(f"data.shards {folder}: no {MANIFEST} there; build shards with tools/make_shards.py")
+        raise UserError(f"data.shards {folder}: no {MANIFEST} there; build shards with dstrain data shards")
     try:
         man = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid JSON ({exc}); rebuild with tools/make_shards.py") from None
+        raise UserError(f"{path}: not valid JSON ({exc}); rebuild with dstrain data shards") from None
     if man.get("schema_version") != SCHEMA_VERSION:
         raise UserError(f"{path}: schema version {man.get('schema_version')} but this dstrain reads {SCHEMA_VERSION}; rebuild the shards")
     if expect_target is not None and man.get("target") != expect_target:
@@ -49,7 +49,7 @@ def load_manifest(folder: str | Path, expect_target: str | None = None, expect_f
     fp = man.get("tokenizer", {}).get("fingerprint")
     if expect_fingerprint is not None and fp != expect_fingerprint:
         raise UserError(f"{path}: shards were tokenized with tokenizer {fp}, the target's tokenizer is {expect_fingerprint};"
-                        " rebuild with tools/make_shards.py and this target")
+                        " rebuild with dstrain data shards and this target")
     for shard in man["shards"]:
         f = folder / shard["file"]
         if not f.is_file():

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 _NO_HEADS = ["drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0"]
 
 
@@ -81,6 +79,8 @@ class AnchorCounts:
     for K is the cumulative count of valid labels along that permutation, read at K."""
 
     def __init__(self, recipe, stream: list, steps: int, gamma: int):
+        import torch  # here, not at the top: `dstrain table --help` reads this module's family names
+
         from dstrain.data.anchors import anchor_generator, block_labels, candidate_anchors
 
         per_step = recipe.train.micro_batch_size * recipe.train.grad_accum

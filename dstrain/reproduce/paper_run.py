@@ -5,7 +5,6 @@ results are readable while the rest runs."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -20,8 +19,9 @@ def make_config(args, sizes):
 
         if not torch.cuda.is_available():
             raise UserError("--device cuda: torch sees no GPU here; run with --device cpu")
-    if not Path(args.recipe).is_file():
-        raise UserError(f"--recipe {args.recipe}: no such file (shipped recipes are in recipes/)")
+    from dstrain.recipe_files import resolve_recipe_path
+
+    args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))  # a file or a shipped recipe's name
     out = Path(args.out).resolve()
     cache = None if args.no_feature_cache else Path(args.feature_cache) if args.feature_cache else out / "feature_cache"
     return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=Path(args.corpus).resolve(),
@@ -29,7 +29,7 @@ def make_config(args, sizes):
                   batch=sizes.bench_prompts, device=args.device, seed=args.seed, curve_points=1,
                   curve_prompts=sizes.eval_per_domain, curve_new_tokens=sizes.eval_new_tokens,
                   feature_cache=cache and cache.resolve(), feature_cache_gb=args.feature_cache_gb, threads=args.threads,
-                  bootstrap_samples=args.bootstrap, resume=args.resume, keep_checkpoints=True, argv=sys.argv[1:])
+                  bootstrap_samples=args.bootstrap, resume=args.resume, keep_checkpoints=True, argv=list(args.argv))
 
 
 def run_paper(args) -> int:

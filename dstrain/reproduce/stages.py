@@ -3,7 +3,7 @@ benchmark evaluation. Report writing is in report.py.
 
 Every stage stores the key (a hash of everything that decides its result) beside its output. With
 --resume (the default) a stage whose stored key matches is reused and one whose key differs is redone
-from scratch; a training run stopped part-way continues from its last checkpoint (dstrain/main.py resumes
+from scratch; a training run stopped part-way continues from its last checkpoint (dstrain train resumes
 by itself), as long as its key is unchanged.
 """
 
@@ -220,7 +220,7 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
     if not (reuse(pending, key, cfg.resume) and (run_dir / "checkpoints").is_dir()):
         shutil.rmtree(run_dir, ignore_errors=True)  # another config (or --no-resume): start clean
     store(pending, key, {})
-    cmd = [sys.executable, "dstrain/main.py", recipe_path, *overrides]
+    cmd = [sys.executable, "-m", "dstrain", "train", recipe_path, *overrides]  # cwd=REPO: this checkout's dstrain
     t0 = time.perf_counter()
     log = run_dir / "train.log"
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "OMP_NUM_THREADS": str(cfg.threads)}

@@ -1,0 +1,94 @@
+"""The `dstrain` command: one entry point with subcommands (`dstrain --help` lists them).
+
+Each leaf command is a module here with `parser(prog)` (its arguments) and `run(args) -> int` (its body). The
+dispatcher imports only the module of the command being run, and those import torch and transformers inside
+run(), so `dstrain --help` and `dstrain COMMAND --help` answer without loading them. The scripts under tools/
+and dstrain/main.py call the same modules through tool_main().
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Union
+
+from dstrain import __version__
+from dstrain.errors import cli_main
+
+# name -> (module under dstrain.cli, one-line help), or a group: name -> {subcommand: ...}
+Table = dict[str, Union[tuple[str, str], "Table"]]
+
+COMMANDS: Table = {
+    "train": ("train", "train a drafter as a recipe says (torchrun --nproc-per-node N -m dstrain train ... for several processes)"),
+    "plan": ("plan", "print a recipe's resolved plan: world layout, sizes, memory per rank (no weights loaded)"),
+    "recipes": ("recipes", "list the shipped recipes (usable by name: dstrain plan v4_flash)"),
+    "data": {
+        "prompts": ("data_prompts", "build a training prompt mix (code, math, chat) from local sources"),
+        "regenerate": ("data_regenerate", "answer prompts with the target (local model or OpenAI-compatible endpoint)"),
+        "shards": ("data_shards", "tokenize conversations into webdataset shards with a manifest"),
+        "pack": ("data_pack", "check, compress and describe a regenerated corpus for shipping"),
+    },
+    "upcycle": ("upcycle", "sparse-upcycle a dense Llama-style model into a Mixtral-format MoE target"),
+    "export": ("export", "export a trained drafter (dstrain, speculators/vLLM, deepspec/SGLang, sglang-eagle3 formats)"),
+    "eval": ("evaluate", "speculative decoding against the target: accepted length tau per domain, speed"),
+    "calibrate": ("calibrate", "Sequential Temperature Scaling of a confidence head on held-out rollouts"),
+    "table": ("table", "reproduce the paper's tau table: every drafter family trained and evaluated on one budget"),
+    "simulate": ("simulate", "serving simulation: throughput vs per-user speed under each speculation policy"),
+    "demo": ("demo", "the default pipeline end to end on a laptop (target, data, training, held-out tau)"),
+    "docs": {
+        "recipes": ("docs", "print the recipe reference (markdown, generated from the schema)"),
+    },
+}
+
+DESCRIPTION = ("dstrain: distributed training of speculative-decoding drafters (DSpark, DFlash, Eagle3, MTP-1) "
+               "against frozen MoE targets.")
+
+
+def _listing(table: Table, words: list[str]) -> str:
+    lines = ["commands:"]
+    for name, entry in table.items():
+        if isinstance(entry, dict):
+            for sub, (_, text) in entry.items():
+                lines.append(f"  {' '.join([name, sub]):<18} {text}")
+        else:
+            lines.append(f"  {name:<18} {entry[1]}")
+    lines.append(f"\n'{' '.join(words)} COMMAND --help' describes a command's arguments.")
+    return "\n".join(lines)
+
+
+def _dispatch(table: Table, words: list[str], argv: list[str]) -> int:
+    top = len(words) == 1
+    ap = argparse.ArgumentParser(prog=" ".join(words), formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description=DESCRIPTION if top else f"{' '.join(words)} subcommands.",
+                                 epilog=_listing(table, words))
+    if top:
+        ap.add_argument("--version", action="version", version=f"dstrain {__version__}")
+    ap.add_argument("command", choices=list(table), metavar="COMMAND", help=", ".join(table))
+    ap.add_argument("args", nargs=argparse.REMAINDER, help="the command's own arguments")
+    ns = ap.parse_args(argv)
+    entry = table[ns.command]
+    if isinstance(entry, dict):
+        return _dispatch(entry, words + [ns.command], ns.args)
+    module = importlib.import_module(f"dstrain.cli.{entry[0]}")
+    args = module.parser(" ".join(words + [ns.command])).parse_args(ns.args)
+    args.invocation = (words + [ns.command], list(ns.args))  # how it was called, for commands that record it
+    return module.run(args)
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    """The console script (`dstrain`), `python -m dstrain` and `torchrun -m dstrain`."""
+    return _dispatch(COMMANDS, ["dstrain"], list(sys.argv[1:] if argv is None else argv))
+
+
+def tool_main(name: str) -> None:
+    """A tools/ script or dstrain/main.py: the command module `name` with the script's own name in its usage."""
+    module = importlib.import_module(f"dstrain.cli.{name}")
+
+    def run() -> int:
+        args = module.parser(None).parse_args()
+        args.invocation = (["python", sys.argv[0]], sys.argv[1:])
+        return module.run(args)
+
+    cli_main(run)()

@@ -1,0 +1,158 @@
+"""`make demo`: the default pipeline on a laptop, end to end, from the recipe.
+
+Stages: prepare the upcycled SmolLM2-MoE target (cached) and check the shipped corpus was made by it →
+unpack the corpus's training split → regenerate a handful of fresh prompts with the target (the stage a
+user runs on their own prompts; resumable) → shards → DSpark training (dstrain train, resumes from its
+last checkpoint) → held-out τ: speculative decoding on corpus prompts of the same mix it never trained
+on → RUN_DIR/summary.json with losses, τ̂ at the start and the end, and the held-out τ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dstrain.errors import UserError
+
+
+def held_out_line(results: dict) -> str:
+    res = next(iter(results["drafters"].values()))
+    return ", ".join(f"{d} {v['tau']:.2f}" for d, v in sorted(res["domains"].items())) + f", macro {res['macro_tau']:.2f}"
+
+
+def parser(prog: str | None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="recipes/smollm2_moe.yaml")
+    ap.add_argument("--corpus", default="corpus/smollm2_moe", help="packed corpus made by the recipe's target (dstrain data pack)")
+    ap.add_argument("--fresh-prompts", type=int, default=8, help="new prompts regenerated here and added to the training data")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="per answer, for the fresh prompts")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences decoded together while regenerating")
+    ap.add_argument("--steps", type=int, help="training steps (default: the recipe's train.steps)")
+    ap.add_argument("--eval-prompts", type=int, default=6, help="held-out prompts per domain for the held-out τ (0: skip)")
+    ap.add_argument("--eval-new-tokens", type=int, default=64)
+    ap.add_argument("--run-dir", default="runs/demo")
+    return ap
+
+
+def run(args: argparse.Namespace) -> int:
+
+    from transformers import AutoTokenizer
+
+    from dstrain.data import corpus
+    from dstrain.data.loader import ShardLoader
+    from dstrain.data.prompts import make_prompts
+    from dstrain.data.regen import Sampling, local_generator, regenerate
+    from dstrain.data.shards import build_shards
+    from dstrain.data.tokenize import TokenizeConfig
+    from dstrain.recipe import load_recipe
+    from dstrain.targets import target_folder
+
+    recipe = load_recipe(args.recipe)
+    shards = Path(recipe.data.shards)
+    data_dir = shards.parent
+    data_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timings, summary = {}, {"recipe": args.recipe, "target": recipe.target.name}
+
+    t = time.perf_counter()
+    folder = target_folder(recipe.target)
+    man = corpus.check_target(Path(args.corpus), folder, recipe.target.name)
+    timings["prepare_target_s"] = time.perf_counter() - t
+    print(f"[1/6] target ready: {folder}; {args.corpus} was made by it ({timings['prepare_target_s']:.1f}s)")
+
+    train_jsonl, held_prompts = data_dir / "corpus_train.jsonl", data_dir / "held_out_prompts.jsonl"
+    n_train = corpus.unpack(Path(args.corpus), train_jsonl, "train")
+    n_held = corpus.held_out_prompts(Path(args.corpus), held_prompts)
+    summary["corpus"] = {"path": args.corpus, "train_conversations": n_train, "held_out_prompts": n_held,
+                         "records": man["records"], "prompts": man["prompts"], "complete": man["complete"]}
+    print(f"[2/6] corpus: {n_train} training conversations ({man['records']}/{man['prompts']} answered), {n_held} held-out prompts")
+
+    t = time.perf_counter()
+    fresh_prompts, inputs = data_dir / "fresh_prompts.jsonl", [str(train_jsonl)]
+    if args.fresh_prompts:
+        held = [json.loads(line) for line in held_prompts.read_text().splitlines() if line.strip()]
+        if not fresh_prompts.exists():  # a fresh draw of the same mix; none may copy or nearly copy a held-out prompt
+            from dstrain.data.split import leaks
+
+            drawn = make_prompts(args.fresh_prompts + 16, recipe.run.seed + 7)
+            close = {pid for _, pid, _ in leaks(drawn, held)}
+            fresh = [p for p in drawn if p["id"] not in close]
+            fresh_prompts.write_text("".join(json.dumps(p) + "\n" for p in fresh[: args.fresh_prompts]))
+        gen = local_generator(folder, Sampling(max_new_tokens=args.max_new_tokens, seed=recipe.run.seed), recipe.target.dtype, args.batch_size)
+        stats = regenerate(str(fresh_prompts), str(data_dir / "fresh_conversations.jsonl"), gen, recipe.target.name)
+        summary["regenerate"] = {k: v for k, v in stats.items() if k != "bad_data"}
+        inputs.append(str(data_dir / "fresh_conversations.jsonl"))
+        print(f"[3/6] regenerated {stats['written']} fresh conversations, {stats['turn_tokens']} tokens at {stats['tokens_per_s']:.1f} tok/s")
+    timings["regenerate_s"] = time.perf_counter() - t
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    built = build_shards(inputs, str(shards), tok, TokenizeConfig(max_length=recipe.data.max_length, min_loss_tokens=8),
+                         recipe.target.name, overwrite=True)
+    samples = sum(1 for _ in ShardLoader(shards, expect_target=recipe.target.name, max_length=recipe.data.max_length).iter_epoch())
+    summary["shards"] = {**built["counts"], "bad_data": built["bad_data"]["counts"], "loader_samples": samples}
+    print(f"[4/6] shards: {built['counts']['samples']} samples, {built['counts']['loss_tokens']} supervised tokens; loader read {samples}")
+
+    t = time.perf_counter()
+    run_folder = Path(recipe.run.output_dir) / recipe.run.name
+    start_fresh_if_data_changed(run_folder, data_key(inputs, recipe))
+    cmd = [sys.executable, "-m", "dstrain", "train", args.recipe] + ([f"train.steps={args.steps}"] if args.steps else [])
+    if subprocess.run(cmd).returncode != 0:
+        raise UserError("the training stage failed (its error is printed above)")
+    timings["train_s"] = time.perf_counter() - t
+    train = json.loads((run_folder / "summary.json").read_text())
+    keys = ("step", "loss", "loss_ce", "loss_tv", "loss_conf", "tau_hat", "calibration_error", "supervised_positions_per_s")
+    logged = lambda line, k: line.get(k if k == "step" else f"train/{k}")  # noqa: E731  metrics.jsonl's names
+    summary["train"] = {"start": {k: logged(train["first"], k) for k in keys}, "end": {k: logged(train["last"], k) for k in keys}}
+    s0, s1 = summary["train"]["start"], summary["train"]["end"]
+    print(f"[5/6] trained {train['steps']} steps in {timings['train_s']:.0f}s: loss {s0['loss']:.3f} -> {s1['loss']:.3f}, "
+          f"tau_hat {s0['tau_hat']:.3f} -> {s1['tau_hat']:.3f}")
+
+    if args.eval_prompts:
+        t = time.perf_counter()
+        out = run_dir / "held_out_eval"
+        cmd = [sys.executable, "-m", "dstrain", "eval", "--drafter", f"dspark={run_folder}", "--prompts", str(held_prompts),
+               "--limit", str(args.eval_prompts), "--max-new-tokens", str(args.eval_new_tokens), "--batch", "6",
+               "--no-baseline", "--out", str(out)]
+        if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
+            raise UserError("the held-out evaluation failed (its error is printed above)")
+        timings["held_out_eval_s"] = time.perf_counter() - t
+        res = json.loads((out / "results.json").read_text())
+        summary["held_out"] = res
+        print(f"[6/6] held-out τ (corpus mix, never trained on, T=1, {args.eval_new_tokens} new tokens): {held_out_line(res)} "
+              f"({timings['held_out_eval_s']:.0f}s; {out}/results.md)")
+    summary["timings"] = timings
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"summary: {run_dir / 'summary.json'}")
+    return 0
+
+
+def data_key(inputs: list[str], recipe) -> str:
+    """What the demo trains on: its input conversations (the unpacked corpus split, the fresh answers) and how they
+    are tokenized. Shard files themselves are not compared: rebuilding them rewrites their tar headers."""
+    h = hashlib.sha256(json.dumps({"target": recipe.target.name, "max_length": recipe.data.max_length}).encode())
+    for path in inputs:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def start_fresh_if_data_changed(run_folder: Path, key: str) -> None:
+    """The trainer resumes from the run's last checkpoint and refuses other shards. A demo whose data changed (a
+    newer corpus) trains from scratch instead; the old run is kept beside it as RUN-previous."""
+    marker = run_folder / "demo_data.json"
+    stale = (run_folder / "checkpoints").exists() and (
+        not marker.is_file() or json.loads(marker.read_text()).get("key") != key)
+    if stale:
+        backup = run_folder.with_name(run_folder.name + "-previous")
+        shutil.rmtree(backup, ignore_errors=True)
+        run_folder.rename(backup)
+        print(f"      the training data changed since {run_folder} was trained: training from scratch "
+              f"(the old run is now {backup})")
+    run_folder.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"key": key}))

@@ -1,0 +1,48 @@
+"""Export a trained drafter as a self-describing Hugging Face style folder: config.json (drafter and target
+sections, the target's capture layers, a fingerprint of its frozen embedding and LM head, STS temperatures)
+and model.safetensors (trainable weights only: the embedding and LM head stay the target's). --format speculators
+writes the layout vLLM's speculators loader reads (DSpark / DFlash drafters trained with drafter.qk_norm=true,
+drafter.mask_token_id set, a dense FFN and no mHC); dstrain eval and dstrain calibrate read either. --engine names the
+program that will load it (vLLM >= 0.26.0 for DSpark/DFlash, SGLang, or the speculators library): what it cannot load
+is refused in one line before any weights load.
+
+  dstrain export runs/smollm2-moe-dspark exports/smollm2-moe-dspark
+
+dstrain eval and dstrain calibrate load the folder without the training recipe; loading it against
+another target is a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def parser(prog: str | None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", help="training run folder (or an export folder, to re-export)")
+    ap.add_argument("out", help="folder to write (replaced atomically)")
+    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3"],
+                    help="dstrain: our own folder; speculators: the format vLLM loads (DSpark, DFlash, Eagle3, MTP-1); deepspec: "
+                         "the DSpark layout SGLang's DSparkDraftModel reads; sglang-eagle3: SGLang's own Eagle3 layout "
+                         "(see dstrain/decoding/formats.py)")
+    ap.add_argument("--engine", choices=["vllm", "sglang", "speculators", "dstrain"],
+                    help="the program that will load the export (default: the format's: speculators -> vllm, deepspec and "
+                         "sglang-eagle3 -> sglang); what it cannot load is refused before any weights load, and the minimum "
+                         "release is printed (dstrain/decoding/engines.py)")
+    ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
+    return ap
+
+
+def run(args: argparse.Namespace) -> int:
+    from dstrain.decoding import artifacts
+
+    art = artifacts.read_artifact(args.run, None, args.recipe)
+    loads_in = artifacts.check_export(art, args.format, args.engine)
+    target = artifacts.load_target_for(art)
+    out = artifacts.export(art, target, Path(args.out), args.format, args.engine)
+    params = sum(v.numel() for v in art.state.values())
+    sts = "STS temperatures " + ", ".join(f"{t:.2f}" for t in art.temperatures) if art.temperatures else "not calibrated yet"
+    print(f"exported {art.drafter_cfg['type']} drafter ({params / 1e6:.2f}M weights, step {art.steps}) for {target.name} "
+          f"[fingerprint {artifacts.fingerprint(target)}], {sts} -> {out} ({args.format} format; {loads_in})")
+    return 0

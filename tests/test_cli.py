@@ -1,0 +1,180 @@
+"""The `dstrain` command: every command answers --help and names its arguments, recipes resolve by name, the console
+script and the packaged recipes are declared in pyproject, the licence is there, and the tools/ wrappers still run."""
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_tool
+
+from dstrain.cli import COMMANDS, main
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SHIPPED = sorted((ROOT / "dstrain" / "recipes").glob("*.yaml"))
+
+# Each command, and words its --help must contain: its own arguments (so a help that lost them fails).
+HELP_NAMES = {
+    "train": ["recipe", "overrides", "--dry-run", "--print-world"],
+    "plan": ["recipe", "overrides"],
+    "recipes": ["--path"],
+    "data prompts": ["--out", "--count", "--mix"],
+    "data regenerate": ["--prompts", "--target-dir", "--endpoint", "--continuous"],
+    "data shards": ["--inputs", "--tokenizer", "--samples-per-shard"],
+    "data pack": ["--recipe", "--unpack", "--resplit"],
+    "upcycle": ["--recipe", "--dense", "--experts", "--check"],
+    "export": ["run", "out", "--format", "speculators"],
+    "eval": ["--drafter", "--prompts", "--limit", "--threshold"],
+    "calibrate": ["drafter", "--rollouts", "--count"],
+    "table": ["--families", "--preset", "--quick"],
+    "simulate": ["--rollouts", "--sps", "--concurrency"],
+    "demo": ["--recipe", "--corpus", "--fresh-prompts", "--run-dir"],
+    "docs recipes": ["usage: dstrain docs recipes"],
+}
+
+# tools/ scripts that now wrap a command: same arguments (their --help names them too)
+TOOLS = {"make_prompts": "data prompts", "regenerate": "data regenerate", "make_shards": "data shards",
+         "pack_corpus": "data pack", "upcycle_moe": "upcycle", "export": "export", "evaluate": "eval",
+         "calibrate": "calibrate", "reproduce_table": "table", "simulate_serving": "simulate", "demo": "demo"}
+
+
+def call(*argv: str) -> tuple[int, str, str]:
+    """dstrain ARGV in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    return exit_.value.code or 0, out.getvalue(), err.getvalue()
+
+
+def leaf_commands(table=COMMANDS, prefix=()):
+    for name, entry in table.items():
+        if isinstance(entry, dict):
+            yield from leaf_commands(entry, prefix + (name,))
+        else:
+            yield " ".join(prefix + (name,))
+
+
+def test_every_command_has_help_naming_its_arguments():
+    assert sorted(leaf_commands()) == sorted(HELP_NAMES), "a command was added or removed: list its arguments here"
+    code, top, _ = call("--help")
+    assert code == 0 and top.startswith("usage: dstrain")
+    for command, names in HELP_NAMES.items():
+        assert command in top, f"dstrain --help does not list {command}"
+        code, text, err = call(*command.split(), "--help")
+        assert code == 0, err
+        assert text.startswith(f"usage: dstrain {command}"), text[:200]
+        missing = [n for n in names if n not in text]
+        assert not missing, f"dstrain {command} --help lacks {missing}"
+    code, text, _ = call("data", "--help")
+    assert code == 0 and all(sub in text for sub in ("prompts", "regenerate", "shards", "pack"))
+
+
+def test_python_dash_m_and_help_is_fast():
+    """`python -m dstrain` is the module entry torchrun uses; --help must not load torch (measured ~0.2 s)."""
+    code = ("import runpy, sys, time; t = time.perf_counter(); sys.argv = ['dstrain', '--help']\n"
+            "try: runpy.run_module('dstrain', run_name='__main__')\n"
+            "except SystemExit as e: assert not e.code, e.code\n"
+            "print('TORCH', 'torch' in sys.modules, 'SECONDS', time.perf_counter() - t)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: dstrain" in proc.stdout and "TORCH False" in proc.stdout, proc.stdout[-500:]
+
+
+def test_plan_by_name_and_unknown_names():
+    code, text, err = call("plan", "tiny_moe", "train.steps=7")
+    assert code == 0, err
+    assert text.startswith("dstrain plan for tiny_moe") and "memory per rank" in text
+    code, text, err = call("train", "v4_flash", "--print-world")
+    assert code == 0, err
+    assert json.loads(text)["world_size"] == 36
+    for bad in ("v4_flashy", "no/such/recipe.yaml"):
+        code, text, err = call("plan", bad)
+        assert code == 2 and text == ""
+        assert len(err.strip().splitlines()) == 1 and "v4_flash" in err, err  # one line naming the shipped recipes
+
+
+def test_recipes_lists_every_shipped_yaml():
+    code, text, _ = call("recipes")
+    assert code == 0
+    listed = {line.split()[0]: line.split(None, 1)[1] for line in text.splitlines()}
+    assert set(listed) == {p.stem for p in SHIPPED} and len(SHIPPED) >= 5
+    assert all(listed.values()), "every shipped recipe starts with a one-line description comment"
+    code, text, _ = call("recipes", "--path", "tiny_moe")
+    assert code == 0 and Path(text.strip()) == (ROOT / "dstrain" / "recipes" / "tiny_moe.yaml").resolve()
+    assert (ROOT / "recipes").resolve() == (ROOT / "dstrain" / "recipes").resolve(), "recipes/ must stay a link to the package's"
+
+
+def test_recipe_description_is_the_first_sentence_of_the_opening_comment(tmp_path):
+    from dstrain.recipe_files import describe
+
+    path = tmp_path / "r.yaml"
+    path.write_text("# A target (1.6T total / 49B active; d=7168) on\n# four nodes. Second sentence.\nrun:\n  name: x\n# later\n")
+    assert describe(path) == "A target (1.6T total / 49B active; d=7168) on four nodes."
+    path.write_text("run:\n  name: x\n")
+    assert describe(path) == ""
+
+
+def test_docs_recipes_is_wired():
+    """Generated by dstrain/docs_gen.py; before that module exists, one line saying so."""
+    code, text, err = call("docs", "recipes")
+    if importlib.util.find_spec("dstrain.docs_gen") is None:
+        assert code == 2 and "docs_gen" in err and len(err.strip().splitlines()) == 1
+    else:
+        assert code == 0 and "train" in text, err
+
+
+def test_console_script_and_package_data_declared():
+    script = PYPROJECT["project"]["scripts"]["dstrain"]
+    module, _, attr = script.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+    globs = PYPROJECT["tool"]["setuptools"]["package-data"]["dstrain"]
+    for path in SHIPPED:
+        rel = path.relative_to(ROOT / "dstrain").as_posix()
+        assert any(fnmatch(rel, g) for g in globs), f"{rel} is not shipped by package-data {globs}"
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert "pytest" not in " ".join(PYPROJECT["project"]["dependencies"])
+    assert any(d.startswith("pytest") for d in PYPROJECT["project"]["optional-dependencies"]["test"])
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "Copyright 2026 The dstrain authors" in text
+
+
+def test_lock_pins_every_dependency_inside_its_range():
+    from packaging.requirements import Requirement
+
+    lock = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            lock[name.strip().lower().replace("_", "-")] = version.strip()
+    deps = PYPROJECT["project"]["dependencies"] + [d for ds in PYPROJECT["project"]["optional-dependencies"].values() for d in ds]
+    for dep in map(Requirement, deps):
+        name = dep.name.lower().replace("_", "-")
+        assert name in lock, f"{name} has no tested version in requirements.lock"
+        assert dep.specifier.contains(lock[name], prereleases=True), f"requirements.lock {name}=={lock[name]} is outside {dep}"
+
+
+def test_installed_console_script():
+    """The `dstrain` executable pip writes beside the venv's python (make install creates it; CI requires it)."""
+    exe = Path(sys.executable).parent / "dstrain"
+    if not exe.exists():
+        ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+        assert not ci, f"{exe} missing under CI: make install must install the console script"
+        pytest.skip(f"{exe} not installed here (make install creates it)")
+    proc = subprocess.run([str(exe), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: dstrain" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_tool_wrappers_keep_their_arguments(tool):
+    text = run_tool(f"tools/{tool}.py", "--help", timeout=120).stdout
+    assert text.startswith(f"usage: {tool}.py")
+    missing = [n for n in HELP_NAMES[TOOLS[tool]] if not n.startswith("usage:") and n not in text]
+    assert not missing, f"tools/{tool}.py --help lacks {missing}"
