@@ -47,6 +47,7 @@ def test_a_run_logs_prefixed_metrics_everywhere_and_says_when_wandb_falls_back(t
     assert len(warnings) == 1 and "logging offline" in warnings[0] and "wandb sync" in warnings[0], proc.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["wandb_mode"] == "offline"
+    assert all(k in summary["last"] for k in (*THROUGHPUT, "train/mfu")) and summary["last"]["step"] == 4
 
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [m["step"] for m in lines] == [1, 2, 4]
