@@ -8,7 +8,8 @@ depend on the device, so the step's shape can be measured and ratcheted without 
 What is counted (a TorchDispatchMode sees every aten op of forward, loss and backward; a few Python-level tensor
 methods that dispatch nothing on a CPU tensor are wrapped for the duration):
   kernels    aten ops on device tensors that would launch a kernel on CUDA. Views and metadata (func.is_view, detach,
-             _unsafe_view, lift_fresh) and bare allocations (empty*) launch nothing: counted as `views`.
+             _unsafe_view, lift_fresh, scalar_tensor, ops without a tensor output) and bare allocations (empty*) launch
+             nothing: counted as `views`. Backward ops count as kernels like forward ones.
   host ops   aten ops whose tensor inputs all live on the host: work the CPU does inside the step (no kernel, but
              time on the critical path between launches). Host-born tensors are those made by a torch factory called
              without `device=` (torch.arange(n), torch.tensor([...]), ...), by .cpu()/.tolist(), and ops on them.
@@ -43,7 +44,8 @@ aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[2]
 _NO_KERNEL = {aten._unsafe_view.default, aten.detach.default, aten.alias.default, aten.lift_fresh.default,
               aten.lift_fresh_copy.default, aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
-              aten.new_empty.default, aten.new_empty_strided.default}
+              aten.new_empty.default, aten.new_empty_strided.default,
+              aten.scalar_tensor.default}  # a Python scalar wrapped as a 0-d tensor (a CPU scalar argument on CUDA)
 _SHAPE_SYNC = {"nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
                "masked_select", "bincount", "equal", "is_nonzero"}
 _FACTORIES = ("arange", "zeros", "ones", "full", "empty", "eye", "randn", "rand", "randint", "randperm", "linspace",
@@ -105,8 +107,9 @@ class StepCounter(TorchDispatchMode):
         outs = list(_tensors(out))
         if self._host_scope or func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
             host = True
-        else:
-            host = bool(ins) and all(is_host(t) for t in ins)
+        else:  # Python scalars arrive as 0-d tensors (scalar_tensor, made "on the device"): they decide nothing
+            decide = [t for t in ins if t.dim()] or ins
+            host = bool(decide) and all(is_host(t) for t in decide)
         for t in outs:
             if host:
                 setattr(t, _HOST, True)
@@ -114,7 +117,7 @@ class StepCounter(TorchDispatchMode):
         if host:
             self.host_ops[name] += 1
             return out
-        if func.is_view or func in _NO_KERNEL:
+        if func.is_view or func in _NO_KERNEL or not outs:  # not outs: promote_types and the like
             self.views[name] += 1
             return out
         self.kernels[name] += 1
