@@ -117,7 +117,7 @@ class StepCounter(TorchDispatchMode):
         if host:
             self.host_ops[name] += 1
             return out
-        if func.is_view or func in _NO_KERNEL or not outs:  # not outs: promote_types and the like
+        if func.is_view or func in _NO_KERNEL or not (outs or name == "_local_scalar_dense"):  # promote_types, ...
             self.views[name] += 1
             return out
         self.kernels[name] += 1
@@ -172,7 +172,10 @@ class StepCounter(TorchDispatchMode):
                 if kw.get("device") is not None:  # placed on the device: from host data that is a blocking copy
                     if orig.__name__ in ("tensor", "as_tensor"):
                         counter._sync("copy", f"torch.{orig.__name__}(..., device=)")
-                    return orig(*a, **kw)
+                    out = orig(*a, **kw)
+                    if hasattr(out, _HOST):  # torch.tensor's lift_fresh: the data was on the host, the tensor is not
+                        delattr(out, _HOST)
+                    return out
                 return counter._as_host(orig, *a, **kw)
             f.__name__ = orig.__name__
             return f
