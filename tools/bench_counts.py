@@ -97,6 +97,8 @@ def run_counts(args, grid, paths, script: str, passthrough: list[str]) -> list[d
 
 
 def print_counts(rows: list[dict]) -> None:
+    print("counted: bench_train's step (draft_losses + backward; no optimizer step, no metric reads) and the DeepSpec-style"
+          " reference's; the trainer's own step: tools/bench_counts.py --trainer RECIPE")
     head = (f"{'path':<8} {'anchors':>7} {'window':>6} {'context':>7} {'N':>5} | {'kernels':>7} {'views':>5} {'host':>5} | "
             f"{'syncs':>5} {'scalar':>6} {'shape':>5} {'copy':>5} | {'Vx':>5} | {'pairs':>6} | {'MB':>6} | static")
     print(head)
@@ -117,3 +119,66 @@ def print_counts(rows: list[dict]) -> None:
         print(f"top sync sites (packed, {worst['anchors']} anchors, window {worst['window'] or 'none'}, {worst['context']} tokens):")
         for s in worst["sync_sites"][:12]:
             print(f"  {s['count']:>5}  {s['kind']:<6} {s['op']:<32} {s['site']}")
+
+
+def count_trainer(recipe: str, overrides: list[str], at_step: int = 2) -> dict:
+    """The trainer's own step (Trainer.train_step: target features, every micro-batch's forward, loss, backward and
+    optimizer step, the metric reads, the MoE load all-reduce) at step `at_step` of a short real run of `recipe`."""
+    import tempfile
+
+    from dstrain import main as entry
+    from dstrain.data.shards import synthetic_shards
+    from dstrain.train import trainer as trainer_mod
+    from dstrain.train.step_counters import _HOST, StepCounter
+
+    orig, result = trainer_mod.Trainer.train_step, {}
+
+    def counted(self, micro):
+        if self.step + 1 != at_step:  # the steps before it warm up
+            return orig(self, micro)
+        rows = sum(int(mb.packed.valid.sum()) for mb in micro)
+        for mb in micro:  # the loader's samples are host tensors (the packed indices went to the device before the step)
+            for t in (x for s in mb.samples for x in vars(s).values() if isinstance(x, torch.Tensor)):
+                setattr(t, _HOST, True)
+        counter = StepCounter(vocab=self.lm_head.weight.shape[0], rows=rows, weights=[self.lm_head.weight, self.drafter.seq_w2])
+        with counter:
+            out = orig(self, micro)
+        result.update(counter.summary(), positions=rows, micro_batches=len(micro), step=at_step)
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if not any(o.startswith("data.shards=") for o in overrides):
+            synthetic_shards(f"{tmp}/shards", "tiny-moe", 512, 64, seed=0)
+            overrides = [f"data.shards={tmp}/shards", *overrides]
+        trainer_mod.Trainer.train_step = counted
+        try:
+            entry.main([recipe, *overrides, f"train.steps={at_step}", "train.warmup_steps=0", "train.log_every=1",
+                        "train.checkpoint_every=1000", "eval.every=0", f"run.output_dir={tmp}/run"])
+        except SystemExit as done:  # cli_main exits with the run's code
+            if done.code:
+                raise
+        finally:
+            trainer_mod.Trainer.train_step = orig
+    return result
+
+
+if __name__ == "__main__":  # tools/bench_counts.py --trainer RECIPE [overrides]: count the trainer's real step
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Count one real Trainer.train_step of a short run (issue 23).")
+    ap.add_argument("--trainer", required=True, metavar="RECIPE")
+    ap.add_argument("--at-step", type=int, default=2)
+    ap.add_argument("--out")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    r = count_trainer(a.trainer, a.overrides, a.at_step)
+    k = r["syncs_by_kind"]
+    print(f"Trainer.train_step of {a.trainer} (step {r['step']}, {r['micro_batches']} micro-batches, {r['positions']} positions): "
+          f"{r['kernels']} kernels, {r['views']} views, {r['host_ops']} host ops, {r['syncs']} syncs "
+          f"(scalar {k['scalar']}, shape {k['shape']}, copy {k['copy']}), [rows x V] {r['vocab_fp32_equiv']:.1f}")
+    for s in r["sync_sites"][:15]:
+        print(f"  {s['count']:>5}  {s['kind']:<6} {s['op']:<32} {s['site']}")
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(r, fh, indent=1)
