@@ -21,10 +21,13 @@ methods that dispatch nothing on a CPU tensor are wrapped for the duration):
              copy      blocking copies: .to(device)/.cuda() of a host tensor without non_blocking=True,
                        torch.tensor(..., device=...), a host tensor (not 0-d) mixed into a device op (CUDA copies
                        an index tensor over), and .cpu()/.tolist()/.numpy() of a device tensor (device to host).
+             A sync in backward is named by its autograd node ("... in IndexBackward0"); its Python line is the
+             .backward() call.
              Approximation: .to(...) of a device tensor is taken as device-to-device (a no-op), even to "cpu";
              CUDA-only calls the CPU run never makes (torch.cuda.mem_get_info in losses.vocab_loss) are not seen.
   vocab      bytes of the kernels' tensor inputs and outputs whose last dimension is V (reads + writes; in-place ops
-             count their operand twice), weights' storages excluded (`weights`), in units of an fp32 [rows x V] tensor.
+             count their operand twice; a broadcast dimension counts once), weights' storages excluded (`weights`),
+             in units of an fp32 [rows x V] tensor.
   attention  (query, key) scores per head each F.scaled_dot_product_attention call computes (batch x queries x
              keys), forward only; the caller supplies the pairs the masks need (see needed_pairs).
   shapes     the multiset of (op, output shapes) of the kernels: equal for two anchor draws iff the step is static.
@@ -66,6 +69,14 @@ def _tensors(tree):
     elif isinstance(tree, dict):
         for x in tree.values():
             yield from _tensors(x)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """Bytes behind a tensor: a broadcast (stride-0) dimension is read once, not once per element."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        n *= size if stride else 1
+    return n * t.element_size()
 
 
 def _site() -> str:
@@ -137,11 +148,12 @@ class StepCounter(TorchDispatchMode):
             in_place = name.endswith("_") and outs and ins and outs[0] is ins[0]
             for t in (ins[1:] if in_place else ins) + outs:  # an in-place op reads and writes its operand
                 if t.dim() and t.shape[-1] == self.vocab and t.untyped_storage().data_ptr() not in self.weights:
-                    self.vocab_bytes += t.numel() * t.element_size()
+                    self.vocab_bytes += _bytes(t)
         return out
 
     def _sync(self, kind: str, what: str) -> None:
-        self.syncs[kind][(what, _site())] += 1
+        node = torch._C._current_autograd_node()  # in backward the Python stack ends at .backward(): name the node
+        self.syncs[kind][(what if node is None else f"{what} in {node.name()}", _site())] += 1
 
     # -- Python-level methods that dispatch nothing on a CPU tensor -----------------------------------------
     def _wrap(self, owner, name, make):
