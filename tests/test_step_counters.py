@@ -110,7 +110,7 @@ def test_ratchet_packed_step_counts():
         row = count_point(_args(), "packed", context, window, anchors)
         assert row["syncs"] <= syncs, f"{anchors}/{window}/{context}: {row['syncs']} host syncs > issue 23's {syncs}: {row['sync_sites'][:5]}"
         assert row["kernels"] <= kernels * 1.02, f"{anchors}/{window}/{context}: {row['kernels']} device ops > issue 23's {kernels} (+2 %)"
-        assert row["syncs"] >= 1 and row["computed_pairs"] >= row["needed_pairs"]
+        assert row["kernels"] > 0 and row["computed_pairs"] >= row["needed_pairs"] > 0  # the counter saw the step
 
 
 def test_bench_count_table_is_consistent(tmp_path):
