@@ -140,6 +140,13 @@ def count_trainer(recipe: str, overrides: list[str], at_step: int = 2) -> dict:
         for mb in micro:  # the loader's samples are host tensors (the packed indices went to the device before the step)
             for t in (x for s in mb.samples for x in vars(s).values() if isinstance(x, torch.Tensor)):
                 setattr(t, _HOST, True)
+        opt = getattr(self.engine, "optimizer", None)
+        opt = getattr(opt, "optimizer", opt)  # DeepSpeed's wrapper, if any, around the torch optimizer
+        for group in getattr(opt, "param_groups", []):  # torch keeps `step` on the host unless capturable or fused
+            if not (group.get("capturable") or group.get("fused")):
+                for p in group["params"]:
+                    if isinstance(step_t := opt.state.get(p, {}).get("step"), torch.Tensor):
+                        setattr(step_t, _HOST, True)
         counter = StepCounter(vocab=self.lm_head.weight.shape[0], rows=rows, weights=[self.lm_head.weight, self.drafter.seq_w2])
         with counter:
             out = orig(self, micro)

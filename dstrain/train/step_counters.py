@@ -80,18 +80,21 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def _site() -> str:
-    """The innermost frame in dstrain/ (else in the repo, else the innermost) as 'path:line (function)'."""
-    frame, repo = sys._getframe(2), None
-    here = __file__
+    """The innermost frame in dstrain/ (else in the repo) as 'path:line (function)', and the innermost frame of a
+    library outside torch when the op came from one (' via deepspeed/runtime/engine.py:2100')."""
+    frame, repo, via = sys._getframe(2), None, None
+    here, root = __file__, str(ROOT)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name != here and name.startswith(str(ROOT)):
+        if name != here and name.startswith(root):
             rel = f"{Path(name).relative_to(ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
             if rel.startswith("dstrain/"):
-                return rel
+                return rel + (f" via {via}" if via else "")
             repo = repo or rel
+        elif repo is None and via is None and name != here and "/torch/" not in name and "site-packages/" in name:
+            via = f"{name.split('site-packages/', 1)[1]}:{frame.f_lineno}"
         frame = frame.f_back
-    return repo or "?"
+    return (repo + (f" via {via}" if via else "")) if repo else (via or "?")
 
 
 class StepCounter(TorchDispatchMode):
