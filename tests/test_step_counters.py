@@ -80,6 +80,15 @@ def test_counter_copies_backward_attention_and_vocab_traffic():
     assert (F.scaled_dot_product_attention, torch.Tensor.to, torch.Tensor.tolist, torch.arange, torch.tensor) == originals
 
 
+def test_repeat_interleave_syncs_only_without_output_size():
+    x, reps = torch.arange(2, device="cpu"), torch.full((2,), 2, device="cpu")
+    for run, syncs in ((lambda: x.repeat_interleave(reps), 1), (lambda: x.repeat_interleave(reps, output_size=4), 0),
+                       (lambda: x.repeat_interleave(2), 0)):  # int repeats: the size is known on the host
+        with StepCounter() as c:
+            run()
+        assert c.summary()["syncs_by_kind"]["shape"] == syncs
+
+
 def test_shape_signature_tells_static_from_dynamic():
     def run(n):
         with StepCounter() as c:

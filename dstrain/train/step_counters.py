@@ -141,8 +141,7 @@ class StepCounter(TorchDispatchMode):
                 self._sync("copy", f"{name} <- host tensor")
         if name == "_local_scalar_dense":
             self._sync("scalar", name)
-        elif name in _SHAPE_SYNC or (name == "repeat_interleave" and kwargs.get("output_size") is None and
-                                     isinstance(args[0], torch.Tensor) and len(args) < 4):
+        elif name in _SHAPE_SYNC or (name == "repeat_interleave" and kwargs.get("output_size") is None):
             self._sync("shape", name)
         elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
                 t.dtype == torch.bool for t in _tensors(args[1])):
