@@ -22,6 +22,8 @@ Prints supervised positions/s, the fraction of the floor's positions/s, and peak
 and accumulation; on CUDA their vocabulary GEMMs run on bf16 operands with fp32 output), the floor in bf16.
 --sizes v4flash: DeepSeek-V4-Flash's hidden size and vocabulary (4096, 129280; 2 draft layers) instead of SmolLM2's.
 --profile: one packed step under torch.profiler (the first grid point), its top operators by self time.
+--count: no timing; per grid point, what one step asks of a GPU, counted on the CPU (device ops, host syncs and where
+they come from, [rows x V] traffic, attention pairs, peak memory, static shapes): tools/bench_counts.py.
 """
 
 from __future__ import annotations
@@ -33,8 +35,13 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+import bench_counts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dstrain, not another installed one
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SIZES = {"smollm2": dict(hidden=576, vocab=49152, heads=9, kv_heads=3),
@@ -60,7 +67,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def setup(args, context: int, window: int | None, anchors: int):
+def setup(args, context: int, window: int | None, anchors: int, draw: int = 0):
     from dstrain.data.anchors import anchor_generator, sample_anchors
     from dstrain.data.loader import Sample
     from dstrain.data.packing import pack_blocks
@@ -83,20 +90,20 @@ def setup(args, context: int, window: int | None, anchors: int):
         drafter.seq_head.w2.normal_(0, 0.02)
     samples = [Sample(torch.randint(0, size["vocab"], (context,)), torch.ones(context, dtype=torch.bool), {"id": str(i)})
                for i in range(args.batch)]
-    picks = [sample_anchors(s.loss_mask, anchors, anchor_generator(0, s.meta["id"])) for s in samples]
+    picks = [sample_anchors(s.loss_mask, anchors, anchor_generator(draw, s.meta["id"])) for s in samples]  # draw: another anchor set
     packed = pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], picks, args.gamma, 0, window)
     captured = torch.randn(args.batch * context, 3, size["hidden"], device=device).to(dtype)
     final = torch.randn(args.batch * context, size["hidden"], device=device).to(dtype)
     return drafter, lm_head, packed.to(device), captured, final
 
 
-def packed_step(drafter, lm_head, packed, captured, final, loss_cfg):
+def packed_step(drafter, lm_head, packed, captured, final, loss_cfg, read: bool = True):
     from dstrain.train.step import TargetFeatures, draft_losses
 
     sums, _, out = draft_losses(drafter, lm_head, packed, TargetFeatures(captured, final), loss_cfg)
     loss = sums["total"] / sums["weight"]
     loss.backward()
-    return loss.item()
+    return loss.item() if read else loss
 
 
 def timed(run, repeats: int, device: torch.device, cleanup=lambda: None, warmup: bool = True) -> tuple[float, float]:
@@ -301,7 +308,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="512,2048,8192", help="sequence lengths (default %(default)s)")
     ap.add_argument("--anchors", default="64", help="anchors per sequence, comma-separated (default %(default)s; the peers use 512)")
     ap.add_argument("--window", default="128,none", help="sliding windows, comma-separated; 'none' = the whole context before the anchor")
-    ap.add_argument("--paths", default=",".join(PATHS), help="which steps to measure (default %(default)s)")
+    ap.add_argument("--paths", help=f"which steps to measure (default {','.join(PATHS)}; with --count packed,deepspec)")
     ap.add_argument("--sizes", choices=list(SIZES), default="smollm2", help="target d and V: SmolLM2 (576, 49152), V4-Flash (4096, 129280), or tiny (64, 512) to try the tool")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rank", type=int, default=256, help="Markov head rank")
@@ -314,13 +321,15 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table (and the settings) as JSON here")
     ap.add_argument("--profile", action="store_true", help="profile one packed step at the first grid point instead")
     ap.add_argument("--in-process", action="store_true", help="measure in this process (always so with --device cuda)")
+    ap.add_argument("--count", action="store_true", help="count one step's device ops, host syncs, [rows x V] traffic, "
+                    "attention pairs, peak memory and static shapes instead of timing it (tools/bench_counts.py)")
     ap.add_argument("--path", choices=PATHS, help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"bench_train: --device cuda but torch {torch.__version__} sees no CUDA device; use --device cpu", file=sys.stderr)
         return 2
-    paths = [p for p in args.paths.split(",") if p]
+    paths = [p for p in (args.paths or ("packed,deepspec" if args.count else ",".join(PATHS))).split(",") if p]
     if unknown := [p for p in paths if p not in PATHS]:
         print(f"bench_train: --paths {','.join(unknown)}: choose from {','.join(PATHS)}", file=sys.stderr)
         return 2
@@ -330,12 +339,28 @@ def main() -> int:
     if args.profile:
         profile(args, contexts[0], windows[0], anchor_counts[0])
         return 0
+    if args.count and (args.device != "cpu" or "fullseq" in paths):
+        print("bench_train: --count runs on the CPU (counts do not depend on the device), paths packed and deepspec", file=sys.stderr)
+        return 2
     if args.path:  # a child process measuring one (path, anchors, window, context)
-        print(json.dumps(measure(args, args.path, args.context, windows[0], anchor_counts[0])))
+        measure_one = bench_counts.count_point if args.count else measure
+        print(json.dumps(measure_one(args, args.path, args.context, windows[0], anchor_counts[0])))
         return 0
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("sizes", "layers", "rank", "gamma", "batch",
                                                                            "repeats", "threads", "device", "dtype")]
     grid = [(a, w, c) for a in anchor_counts for w in windows for c in contexts]
+    if args.count:
+        try:
+            table = bench_counts.run_counts(args, grid, paths, __file__, passthrough)
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        bench_counts.print_counts(table)
+        if args.out:
+            settings = {k: v for k, v in vars(args).items() if k not in ("path", "context", "out", "in_process", "profile")}
+            with open(args.out, "w") as fh:
+                json.dump({"settings": settings, "torch": torch.__version__, "sizes": SIZES[args.sizes], "rows": table}, fh, indent=1)
+        return 0
     rows = {}
     for key in grid:
         for path in paths:

@@ -50,7 +50,8 @@ def _backbone(drafter, packed, captured, context: int, window):
     return drafter.norm(x).reshape(n, gamma, -1)
 
 
-def reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context: int, window, full_sequence: bool) -> float:
+def reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context: int, window, full_sequence: bool,
+                   read: bool = True):
     from dstrain.train.losses import position_weights
 
     n, gamma = packed.block_tokens.shape
@@ -72,4 +73,4 @@ def reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context:
     bce = F.binary_cross_entropy_with_logits(conf, accept.detach(), reduction="none")
     loss = (w * (loss_cfg.alpha_ce * ce + loss_cfg.alpha_tv * tv + loss_cfg.alpha_conf * bce)).sum() / w.sum()
     loss.backward()
-    return loss.item()
+    return loss.item() if read else loss

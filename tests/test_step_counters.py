@@ -1,0 +1,141 @@
+"""dstrain/train/step_counters.py and tools/bench_train.py --count (issue 23, item 5): the counter counts known code
+exactly, the bench's table is consistent, and a ratchet holds today's packed step to its op and sync counts."""
+
+import argparse
+import inspect
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, run_tool
+from dstrain.train.step_counters import StepCounter, shape_diff
+
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def _line(fn, marker: str) -> str:
+    """'tests/test_step_counters.py:<line>' of the line of `fn` that carries `marker`."""
+    lines, start = inspect.getsourcelines(fn)
+    (at,) = [start + i for i, text in enumerate(lines) if marker in text]
+    return f"tests/test_step_counters.py:{at} ({fn.__name__})"
+
+
+def _syncy(x):
+    a = x.sum().item()  # scalar-1
+    b = float(x.max())  # scalar-2
+    nz = torch.nonzero(x > 0)  # nonzero
+    picked = x[x > 0.5]  # boolmask
+    idx = torch.tensor([0, 1, 2], device=x.device)  # tensor-copy
+    host = torch.arange(3)  # host work: no kernel, no sync
+    host = host + 1
+    host.tolist()
+    return x.t() @ x + a + b + nz.numel() + picked.numel() + x[idx].sum() + host[0].item()  # host item: no sync
+
+
+def test_counter_counts_known_code_exactly():
+    x = torch.randn(4, 4)
+    with StepCounter() as c:
+        _syncy(x)
+    s = c.summary()
+    assert s["syncs_by_kind"] == {"scalar": 2, "shape": 2, "copy": 1}
+    sites = {(e["op"], e["site"]): e["count"] for e in s["sync_sites"]}
+    assert sites == {("_local_scalar_dense", _line(_syncy, "scalar-1")): 1,
+                     ("_local_scalar_dense", _line(_syncy, "scalar-2")): 1,
+                     ("nonzero", _line(_syncy, "# nonzero")): 1,
+                     ("index (boolean mask)", _line(_syncy, "boolmask")): 1,
+                     ("torch.tensor(..., device=)", _line(_syncy, "tensor-copy")): 1}
+    assert s["views_by_op"].get("t") == 1 and "t" not in s["kernels_by_op"]  # a view launches nothing
+    assert s["host_ops_by_op"] == {"lift_fresh": 1, "arange": 1, "add": 1, "select": 1, "_local_scalar_dense": 1}
+    # the device kernels, one by one: sum, item, max, item, gt, nonzero, gt, index, index (x[idx]), sum, mm, 6 adds
+    assert s["kernels"] == 17 and s["kernels_by_op"]["add"] == 6 and s["kernels_by_op"]["mm"] == 1
+
+
+def test_counter_copies_backward_attention_and_vocab_traffic():
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(10, 8)  # a weight with V = 10 rows: excluded from the traffic
+    host = torch.ones(3)
+
+    def step():
+        on_dev = torch.ones(3).to(x.device)  # host -> device, blocking
+        quiet = torch.ones(3).to(x.device, non_blocking=True)
+        x.detach().cpu()  # device -> host
+        logits = x @ w.T  # [3, 10]: one fp32 [rows x V] write
+        loss = logits.softmax(-1).sum() + (on_dev * quiet).sum() + (host * 0).sum()
+        loss.backward()
+
+    with StepCounter(vocab=10, rows=3, weights=[w]) as c:
+        step()
+    s = c.summary()
+    assert s["syncs_by_kind"] == {"scalar": 0, "shape": 0, "copy": 2} and s["async_copies"] == 1
+    assert s["kernels_by_op"]["_softmax_backward_data"] == 1  # backward is counted
+    assert s["vocab_fp32_equiv"] >= 3  # logits written, read by softmax; softmax written, ... (reads + writes)
+
+    originals = F.scaled_dot_product_attention, torch.Tensor.to, torch.Tensor.tolist, torch.arange, torch.tensor
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8)
+    with StepCounter() as c:
+        F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    assert c.computed_pairs() == 2 * 5 * 7  # per head
+    assert (F.scaled_dot_product_attention, torch.Tensor.to, torch.Tensor.tolist, torch.arange, torch.tensor) == originals
+
+
+def test_repeat_interleave_syncs_only_without_output_size():
+    x, reps = torch.arange(2, device="cpu"), torch.full((2,), 2, device="cpu")
+    for run, syncs in ((lambda: x.repeat_interleave(reps), 1), (lambda: x.repeat_interleave(reps, output_size=4), 0),
+                       (lambda: x.repeat_interleave(2), 0)):  # int repeats: the size is known on the host
+        with StepCounter() as c:
+            run()
+        assert c.summary()["syncs_by_kind"]["shape"] == syncs
+
+
+def test_shape_signature_tells_static_from_dynamic():
+    def run(n):
+        with StepCounter() as c:
+            torch.randn(n, 4, device="cpu").sum(0)
+        return c.signature
+
+    assert shape_diff(run(5), run(5)) == 0
+    assert shape_diff(run(5), run(6)) == 2  # randn [5, 4] once, randn [6, 4] once; sum's [4] is the same
+
+
+def _args(**kw):
+    base = dict(sizes="tiny", layers=2, rank=256, gamma=5, batch=1, threads=1, device="cpu", dtype="fp32")
+    return argparse.Namespace(**{**base, **kw})
+
+
+# Issue 23's "before": today's packed step at tiny sizes (tools/bench_train.py --count --sizes tiny). These numbers
+# must only go down: a change that adds a host sync or device ops fails here; lower them when the step gets leaner.
+RATCHET = {  # (anchors, window, context): (device kernels, host syncs)
+    (16, 128, 512): (838, 53),  # KeyGroups: 6 buckets
+    (64, None, 512): (1482, 133),  # KeyGroups: 16 buckets
+}
+
+
+def test_ratchet_packed_step_counts():
+    from bench_counts import count_point
+
+    for (anchors, window, context), (kernels, syncs) in RATCHET.items():
+        row = count_point(_args(), "packed", context, window, anchors)
+        assert row["syncs"] <= syncs, f"{anchors}/{window}/{context}: {row['syncs']} host syncs > issue 23's {syncs}: {row['sync_sites'][:5]}"
+        assert row["kernels"] <= kernels * 1.02, f"{anchors}/{window}/{context}: {row['kernels']} device ops > issue 23's {kernels} (+2 %)"
+        assert row["kernels"] > 0 and row["computed_pairs"] >= row["needed_pairs"] > 0  # the counter saw the step
+
+
+def test_bench_count_table_is_consistent(tmp_path):
+    out = tmp_path / "counts.json"
+    proc = run_tool("tools/bench_train.py", "--count", "--sizes", "tiny", "--contexts", "256", "--anchors", "16",
+                    "--window", "128", "--threads", "1", "--out", out, timeout=300)
+    assert "top sync sites" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["path"] for r in rows] == ["packed", "deepspec"]
+    for r in rows:
+        kinds = r["syncs_by_kind"]
+        assert r["syncs"] == sum(kinds.values()) == sum(e["count"] for e in r["sync_sites"])
+        assert r["syncs"] >= kinds["scalar"] == sum(e["count"] for e in r["sync_sites"] if e["kind"] == "scalar")
+        assert r["computed_pairs"] >= r["needed_pairs"] > 0 and r["pairs_ratio"] >= 1
+        assert r["kernels"] == sum(r["kernels_by_op"].values()) > 0 and r["vocab_fp32_equiv"] > 0
+        assert r["static_shapes"] == (r["shape_entries_differing"] == 0)
+        assert all(e["site"].startswith(("dstrain/", "tools/")) for e in r["sync_sites"])
+    ref = rows[1]
+    assert ref["syncs"] == 0 and ref["static_shapes"]  # the dense-mask reference: no syncs, static shapes
