@@ -86,7 +86,7 @@ def _site() -> str:
     here, root = __file__, str(ROOT)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name != here and name.startswith(root):
+        if name != here and name.startswith(root) and "site-packages/" not in name:  # a venv inside the checkout is a library
             rel = f"{Path(name).relative_to(ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
             if rel.startswith("dstrain/"):
                 return rel + (f" via {via}" if via else "")
