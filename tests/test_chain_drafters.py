@@ -29,8 +29,9 @@ def dense_chain(drafter, captured, ids, a, gamma, window):
         positions.append(a - 1 + k)
         seq = layer.attn_norm(torch.stack(inputs))
         pos = torch.tensor(positions)
-        q = rope(layer.q_proj(seq[-1:]).view(1, layer.heads, layer.head_dim), pos[-1:], layer.rope_theta)
-        kk = rope(layer.k_proj(seq).view(len(seq), layer.kv_heads, layer.head_dim), pos, layer.rope_theta)
+        # per-head q/k RMSNorm before RoPE when the recipe has it (identity otherwise), as Qwen3-style layers do
+        q = rope(layer.q_norm(layer.q_proj(seq[-1:]).view(1, layer.heads, layer.head_dim)), pos[-1:], layer.rope_theta)
+        kk = rope(layer.k_norm(layer.k_proj(seq).view(len(seq), layer.kv_heads, layer.head_dim)), pos, layer.rope_theta)
         vv = layer.v_proj(seq).view(len(seq), layer.kv_heads, layer.head_dim)
         rep = layer.heads // layer.kv_heads
         kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
@@ -44,8 +45,8 @@ def dense_chain(drafter, captured, ids, a, gamma, window):
     return drafter.norm(torch.stack(outs))
 
 
-@pytest.mark.parametrize("kind,extra", [("eagle3", ["drafter.sliding_window=6"]), ("eagle3", ["drafter.sliding_window=null"]),
-                                        ("mtp", ["drafter.block_size=1"])])
+@pytest.mark.parametrize("kind,extra", [("eagle3", ["drafter.sliding_window=6", "drafter.qk_norm=false"]),
+                                        ("eagle3", ["drafter.sliding_window=null"]), ("mtp", ["drafter.block_size=1"])])
 def test_packed_chain_equals_dense_reference(kind, extra):
     recipe, target, drafter, samples = setup([f"drafter.type={kind}", "drafter.ffn.type=dense", *FAMILY, *extra])
     d = recipe.drafter
