@@ -33,7 +33,8 @@ def setup(overrides=()):
 
 
 VARIANTS = {
-    "dspark-markov": [],
+    "dspark-markov": [],  # the shipped recipe: q/k norms and a mask token
+    "dspark-markov-learned-mask": ["drafter.qk_norm=false", "drafter.mask_token_id=null"],  # drafters before the defaults
     "dspark-rnn": ["drafter.head=rnn"],
     "dspark-dense-nowindow": ["drafter.ffn.type=dense", "drafter.sliding_window=null"],
     "dflash": ["drafter.type=dflash", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0"],
@@ -42,7 +43,7 @@ VARIANTS = {
     "dspark-mhc": ["drafter.mhc.enabled=true", "drafter.mhc.streams=3"],
     "eagle3": ["drafter.type=eagle3", "drafter.num_layers=1", "drafter.head=none", "drafter.confidence=false", "loss.alpha_conf=0"],
     "mtp": ["drafter.type=mtp", "drafter.num_layers=1", "drafter.block_size=1", "drafter.head=none",
-            "drafter.confidence=false", "loss.alpha_conf=0", "drafter.ffn.type=dense"],
+            "drafter.confidence=false", "loss.alpha_conf=0", "drafter.ffn.type=dense", "drafter.qk_norm=false"],
 }
 
 
