@@ -2,8 +2,8 @@
 
 A local target (on the CPU) decodes length-bucketed static batches of 64: a static batch waits for its longest
 answer, but on a CPU its cost per sequence keeps falling up to far larger batches than transformers' continuous
-batching reaches (whose CPU attention grows with batch² × length): 78 against 24-29 useful tokens/s for the default
-corpus (tools/bench_regen.py measures both). `--continuous` opts into continuous batching.
+batching reaches (whose CPU attention grows with batch² × length): 51.2 against 28.2 useful tokens/s on 64 corpus
+prompts, 53.5 over the corpus's last sitting (benchmarks/cpu-2026-12-01-regen; tools/bench_regen.py measures both). `--continuous` opts into continuous batching.
 Multi-turn prompts are answered turn by turn with the regenerated history. Resumable: rerun the same command
 after a crash and finished ids are skipped. Failures go to an errors file with reasons.
 """
