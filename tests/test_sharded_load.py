@@ -337,6 +337,7 @@ def test_dry_run_plan_sizes_each_rank_from_the_plan_the_loader_executes(folders)
     cfg, hf = load_config(folder), hf_state(folder)
     overrides = ["world.mode=disaggregated", "world.target.tp=2", "world.target.pp=2", "world.target.ep=2",
                  "world.drafter_ranks=1", "target.backend=megatron", "target.source=path", f"target.path={folder}",
+                 "drafter.mask_token_id=127",  # the tiny checkpoint's vocabulary is 128 tokens
                  "target.dtype=bfloat16"]
     plan = build_plan(load_recipe(str(ROOT / "recipes/tiny_moe.yaml"), overrides))
     held = read = 0

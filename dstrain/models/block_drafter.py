@@ -35,7 +35,8 @@ class BlockDrafter(nn.Module):
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < spec.vocab_size:
             from dstrain.errors import UserError
 
-            raise UserError(f"drafter.mask_token_id={self.mask_token_id}: outside the target's vocabulary 0..{spec.vocab_size - 1}")
+            raise UserError(f"drafter.mask_token_id={self.mask_token_id}: outside the target's vocabulary 0..{spec.vocab_size - 1}: "
+                            "set it to a token of this target's tokenizer that text never contains (a reserved or special token)")
         self.mask_embed = nn.Parameter(torch.zeros(d)) if self.mask_token_id is None else None
         # drafter.anchor_context: the anchor slot also reads the fused target feature of position a−1 as input, as
         # Eagle3's first step does (ablation of position-1 acceptance); zero-initialised, so it starts as without it
