@@ -43,10 +43,10 @@ def format_problems(cfg, fmt: str) -> list[str]:
     from dstrain.decoding.formats import exportable_problems
 
     problems = exportable_problems(cfg)
-    if fmt in ("deepspec",) and cfg.type not in ("dspark", "dflash"):
-        problems.append(f"drafter.type=dspark or dflash (--format deepspec is the block-drafter layout: export Eagle3 / MTP-1 "
+    if fmt == "deepspec" and cfg.type not in ("dspark", "dflash"):
+        problems.append("drafter.type=dspark or dflash (--format deepspec is the block-drafter layout: export Eagle3 / MTP-1 "
                         "with --format speculators)")
-    if fmt == "deepspec" and not cfg.sample_from_anchor:
+    elif fmt == "deepspec" and not cfg.sample_from_anchor:
         problems.append("drafter.sample_from_anchor=true (DeepSpec blocks predict from the anchor; a drafter trained with "
                         "drafter.sample_from_anchor=false exports with --format speculators)")
     if fmt == "sglang-eagle3" and cfg.type != "eagle3":
