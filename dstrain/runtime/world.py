@@ -4,7 +4,9 @@ Colocated (default): every rank is a data-parallel replica holding a target and 
 Disaggregated: ranks [0, D) are DeepSpeed drafter workers and ranks [D, D+T) serve the frozen target
 (T = tp·pp·dp, megatron order tp fastest, then data-parallel replica, then pipeline stage). Drafters
 come first so that DeepSpeed's notion of "rank 0" is a drafter (see train/ds_glue.py); on a multi-node
-launch the first nodes run drafters. Drafter j is fed by target replica j mod dp; inside a replica, the tensor-rank-0 process of every pipeline
+launch the first nodes run drafters. With world.ranks_per_node set, D and T are each whole nodes and tp divides
+the node size, so every TP group sits inside one node, drafters never share a node with target ranks, and the
+drafter count moves the target by whole nodes only (tests/test_placement.py). Drafter j is fed by target replica j mod dp; inside a replica, the tensor-rank-0 process of every pipeline
 stage sends the rows it owns (captured layers of its stage; the last stage also the final states).
 
 Every process group is created on every rank in the same order (torch.distributed requires it,
@@ -34,6 +36,7 @@ class Layout:
     ep: int
     drafters: int
     disaggregated: bool
+    ranks_per_node: int | None = None  # None: one node holds every rank
 
     @property
     def target_ranks(self) -> int:
@@ -54,6 +57,44 @@ class Layout:
         """(tp, dp, pp) of a target rank."""
         r = rank - self.target_offset
         return r % self.tp, r // self.tp % self.dp, r // (self.tp * self.dp)
+
+    def ep_coords(self, rank: int) -> tuple[int, int]:
+        """(expert rank, expert-data-parallel index) of a target rank: the expert grid of target_grids() numbers the
+        tp*dp ranks of a stage with ep fastest, so an EP group is ep consecutive ranks of one stage."""
+        tp, dp, _ = self.coords(rank)
+        i = tp + self.tp * dp
+        return i % self.ep, i // self.ep
+
+    @property
+    def node_size(self) -> int:
+        return self.ranks_per_node or self.world_size
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.world_size // self.node_size)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.node_size
+
+    def local_rank_of(self, rank: int) -> int:
+        """The GPU (cuda:LOCAL_RANK) a rank binds on its node: torchrun numbers ranks node by node."""
+        return rank % self.node_size
+
+    def placement(self, rank: int) -> dict:
+        """Where one rank sits and what it does: node, GPU, role and its coordinates in every group."""
+        where = {"rank": rank, "node": self.node_of(rank), "gpu": self.local_rank_of(rank), "role": self.role(rank)}
+        if where["role"] == "target":
+            tp, dp, pp = self.coords(rank)
+            ep, _ = self.ep_coords(rank)
+            return {**where, "replica": dp, "stage": pp, "tp": tp, "ep": ep}
+        return {**where, "drafter": rank}  # colocated: drafter r with target replica r
+
+    def node_map(self) -> list[dict]:
+        """Node -> GPU -> role and groups (the dry run prints it, `--print-world` hands it to slurm/)."""
+        n = self.node_size
+        return [{"node": k, "ranks": [k * n, min((k + 1) * n, self.world_size) - 1],
+                 "gpus": [self.placement(r) for r in range(k * n, min((k + 1) * n, self.world_size))]}
+                for k in range(self.nodes)]
 
     def drafter_rank(self, j: int) -> int:
         return j
@@ -85,7 +126,7 @@ class Layout:
 def layout_of(world_cfg) -> Layout:
     t = world_cfg.target
     disagg = world_cfg.mode == "disaggregated"
-    lay = Layout(t.tp, t.pp, t.dp, t.ep, world_cfg.drafter_ranks, disagg)
+    lay = Layout(t.tp, t.pp, t.dp, t.ep, world_cfg.drafter_ranks, disagg, world_cfg.ranks_per_node)
     if disagg and lay.drafters % lay.dp:
         raise UserError(f"world.drafter_ranks={lay.drafters} must be a multiple of world.target.dp={lay.dp}"
                         " (every target replica feeds the same number of drafter ranks)")
@@ -210,9 +251,20 @@ def check_world_size(layout: Layout) -> int:
     return size
 
 
+def check_node_size(layout: Layout) -> None:
+    """torchrun's LOCAL_WORLD_SIZE must be the recipe's ranks_per_node, or the node map the plan printed is not the
+    one launched (TP groups across nodes, drafters sharing a node with target ranks)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if layout.ranks_per_node and local is not None and int(local) != layout.ranks_per_node:
+        raise UserError(f"world.ranks_per_node={layout.ranks_per_node} but this launch runs {local} process(es) per node:"
+                        f" run torchrun --nproc-per-node {layout.ranks_per_node} on {layout.nodes} node(s), or set"
+                        f" world.ranks_per_node={local}")
+
+
 def init_world(recipe) -> World:
     layout = layout_of(recipe.world)
     size = check_world_size(layout)
+    check_node_size(layout)
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = run_device(recipe, local)
     select_deepspeed_accelerator(device)
@@ -257,14 +309,23 @@ def build_groups(world: World) -> None:
         world.mpu = DrafterMPU(drafter_group, self_groups)
 
 
-def target_process_groups(lay: Layout):
-    """megatron's ProcessGroupCollection over the target ranks (None on other ranks); call on every rank."""
+def target_grids(lay: Layout):
+    """The target's dense grid (tp fastest, then replica, then stage) and its expert grid (EP carved from tp*dp).
+    HyperCommGrid reads the world size from WORLD_SIZE (or the process group), nothing else."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     off = lay.target_offset
     grid = HyperCommGrid([lay.tp, 1, lay.dp, lay.pp], ["tp", "cp", "dp", "pp"], rank_offset=off)
     experts = HyperCommGrid([1, lay.ep, lay.tp * lay.dp // lay.ep, lay.pp], ["etp", "ep", "edp", "pp"], rank_offset=off)
+    return grid, experts
+
+
+def target_process_groups(lay: Layout):
+    """megatron's ProcessGroupCollection over the target ranks (None on other ranks); call on every rank."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    off = lay.target_offset
+    grid, experts = target_grids(lay)
     pgs = ProcessGroupCollection()
     for name, dims in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp", "dp"), ("mp", ["tp", "pp"]),
                        ("tp_cp", ["tp", "cp"]), ("dp_cp", ["cp", "dp"]), ("tp_dp_cp", ["tp", "cp", "dp"])):

@@ -1,0 +1,127 @@
+"""Node-aware placement: whole-node worlds, TP groups inside a node, drafters on their own nodes, the node map the dry
+run prints and `--print-world` hands to slurm/. Group membership is read from megatron's own HyperCommGrid, the grids
+`target_process_groups` creates, not re-derived here."""
+
+import math
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from conftest import ROOT
+from dstrain.errors import UserError
+from dstrain.recipe import WorldConfig, load_recipe
+from dstrain.runtime.node_map import node_lines, spans
+from dstrain.runtime.world import Layout, check_node_size, layout_of, target_grids
+
+
+def world(tp=1, pp=1, dp=1, ep=1, drafters=1, rpn=None, mode="disaggregated") -> WorldConfig:
+    return WorldConfig(mode=mode, target={"tp": tp, "pp": pp, "dp": dp, "ep": ep}, drafter_ranks=drafters,
+                       ranks_per_node=rpn)
+
+
+def random_layouts(n: int, seed: int = 0):
+    """Layouts the schema accepts, drawn at random (with the drafters of a second valid count beside each)."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        rpn, tp = rng.choice([1, 2, 4, 8, 16]), rng.choice([1, 2, 4, 8])
+        pp, dp = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 4, 6, 8])
+        ep = rng.choice([e for e in range(1, tp * dp + 1) if tp * dp % e == 0])
+        drafters = rng.choice([rpn, 2 * rpn, math.lcm(rpn, dp), rng.randint(1, 32)])
+        try:
+            lay = layout_of(world(tp, pp, dp, ep, drafters, rpn))
+        except (ValidationError, UserError):
+            continue  # the schema refuses it (partial nodes, tp across nodes, drafters not a multiple of dp)
+        out.append((lay, layout_of(world(tp, pp, dp, ep, drafters + math.lcm(rpn, dp), rpn))))
+    return out
+
+
+def rank_groups(lay: Layout, monkeypatch) -> tuple[list[list[int]], list[list[int]]]:
+    """(TP groups, EP groups) exactly as target_process_groups enumerates them."""
+    monkeypatch.setenv("WORLD_SIZE", str(lay.world_size))
+    grid, experts = target_grids(lay)
+    return grid.get_rank_enum("tp"), experts.get_rank_enum("ep")
+
+
+def test_random_layouts_place_every_rank_once_and_keep_tp_groups_on_one_node(monkeypatch):
+    checked = {"ep_in_node": 0, "ep_whole_nodes": 0}
+    for lay, more_drafters in random_layouts(200):
+        nodes = lay.node_map()
+        ranks = [g["rank"] for n in nodes for g in n["gpus"]]
+        assert ranks == list(range(lay.world_size)), lay  # each rank once, node by node
+        assert all(len(n["gpus"]) == lay.ranks_per_node for n in nodes), lay  # whole nodes
+        assert [g["gpu"] for n in nodes for g in n["gpus"]] == [lay.local_rank_of(r) for r in ranks]
+        assert all(len({g["role"] for g in n["gpus"]}) == 1 for n in nodes), lay  # drafters never share a node
+        where = {g["rank"]: g for n in nodes for g in n["gpus"]}
+        tp_groups, ep_groups = rank_groups(lay, monkeypatch)
+        for group in tp_groups:
+            assert len({lay.node_of(r) for r in group}) == 1, (lay, group)
+            assert [where[r]["tp"] for r in group] == list(range(lay.tp))  # the node map's tp rank is the group's
+            assert len({(where[r]["replica"], where[r]["stage"]) for r in group}) == 1
+        for group in ep_groups:
+            assert [where[r]["ep"] for r in group] == list(range(lay.ep)), (lay, group)
+            spanned = {lay.node_of(r) for r in group}
+            if lay.ranks_per_node % lay.ep == 0:
+                assert len(spanned) == 1, (lay, group)
+                checked["ep_in_node"] += 1
+            elif lay.ep % lay.ranks_per_node == 0:
+                assert len(spanned) == lay.ep // lay.ranks_per_node, (lay, group)  # whole nodes, no partial one
+                checked["ep_whole_nodes"] += 1
+        # more drafters move the target by whole nodes only: same GPU, same groups, node index shifted
+        shift = (more_drafters.drafters - lay.drafters) // lay.ranks_per_node
+        target = [{**g, "rank": None, "node": g["node"] + shift} for n in nodes for g in n["gpus"] if g["role"] == "target"]
+        moved = [{**g, "rank": None} for n in more_drafters.node_map() for g in n["gpus"] if g["role"] == "target"]
+        assert target == moved, lay
+        assert rank_groups(more_drafters, monkeypatch)[0] == [[r + shift * lay.ranks_per_node for r in g] for g in tp_groups]
+    assert min(checked.values()) > 30, checked  # both EP cases were drawn
+
+
+@pytest.mark.parametrize("overrides, needle, fixed", [
+    (["world.ranks_per_node=8", "world.drafter_ranks=4"], "world.drafter_ranks=4 is not whole nodes", "world.drafter_ranks=8"),
+    (["world.ranks_per_node=8", "world.drafter_ranks=12", "world.target.dp=3", "world.target.ep=8"],
+     "world.drafter_ranks=12 is not whole nodes", "world.drafter_ranks=24"),
+    (["world.ranks_per_node=8", "world.drafter_ranks=24", "world.target.dp=3", "world.target.tp=2", "world.target.ep=2"],
+     "tp\\*pp\\*dp=6 ranks are not whole nodes", "world.target.dp=4"),
+    (["world.ranks_per_node=4"], "world.target.tp=8 does not divide world.ranks_per_node=4", None),
+    (["world.ranks_per_node=16", "world.drafter_ranks=8"], "world.drafter_ranks=8 is not whole nodes",
+     "world.drafter_ranks=16"),
+])
+def test_layouts_that_leave_nodes_partial_are_refused_in_one_line_with_a_fix_that_works(overrides, needle, fixed):
+    with pytest.raises(UserError, match=needle) as err:
+        load_recipe("v4_flash", overrides)
+    assert "\n" not in str(err.value)
+    if fixed:
+        assert fixed in str(err.value)
+        load_recipe("v4_flash", [*overrides, fixed])  # the suggested setting is accepted
+
+
+def test_colocated_worlds_are_whole_nodes_too():
+    with pytest.raises(ValidationError, match="set world.target.dp=8 and world.drafter_ranks=8"):
+        world(dp=6, drafters=6, rpn=8, mode="colocated")
+    lay = layout_of(world(dp=16, drafters=16, rpn=8, mode="colocated"))
+    assert node_lines(lay) == ["node 0: GPUs 0-7 colocated replicas 0-7", "node 1: GPUs 0-7 colocated replicas 8-15"]
+
+
+def test_node_lines_name_roles_per_node_and_collapse_large_worlds():
+    lay = Layout(tp=8, pp=1, dp=4, ep=32, drafters=8, disaggregated=True, ranks_per_node=8)
+    assert node_lines(lay) == ["node 0: GPUs 0-7 drafters 0-7"] + [
+        f"node {k + 1}: GPUs 0-7 target replica {k} stage 0 tp 0-7 ep {8 * k}-{8 * k + 7}" for k in range(4)]
+    assert "EP groups (ep=32) across 4 nodes" in spans(lay) and "TP groups (tp=8) inside one node" in spans(lay)
+    one_node = Layout(tp=2, pp=1, dp=1, ep=2, drafters=2, disaggregated=True)  # ranks_per_node null: one node
+    assert node_lines(one_node) == ["node 0: GPUs 0-1 drafters 0-1; GPUs 2-3 target replica 0 stage 0 tp 0-1 ep 0-1"]
+    big = Layout(tp=8, pp=2, dp=8, ep=16, drafters=16, disaggregated=True, ranks_per_node=8)
+    assert node_lines(big) == ["nodes 0-1: GPUs 0-7 each, together drafters 0-15",
+                               "nodes 2-9: GPUs 0-7 each, together target replicas 0-7 stage 0 tp 0-7 ep 0-15",
+                               "nodes 10-17: GPUs 0-7 each, together target replicas 0-7 stage 1 tp 0-7 ep 0-15"]
+
+
+def test_launch_with_another_node_size_is_refused(monkeypatch):
+    lay = layout_of(load_recipe("v4_flash", ["world.ranks_per_node=8", "world.drafter_ranks=8"]).world)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(UserError, match="world.ranks_per_node=8 but this launch runs 4 process\\(es\\) per node: run"
+                                        " torchrun --nproc-per-node 8 on 5 node\\(s\\)"):
+        check_node_size(lay)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    check_node_size(lay)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    check_node_size(layout_of(load_recipe(ROOT / "recipes/tiny_moe.yaml").world))  # null: no node constraint
