@@ -10,6 +10,9 @@ Counted as matmul FLOPs (2 per multiply-add), the way MFU is counted:
   GEMMs of DESIGN §6 (target logits, draft logits, their backward into the hidden state: no weight
   gradient, the LM head is frozen) and the Markov head's r x V GEMM (forward, input and weight grads).
 The balancing ratio assumes both sides sustain the same FLOP/s per rank; the plan says so where it prints it.
+It counts what the target ranks execute, not what the model needs: without sequence parallelism every rank of a
+TP group dispatches the same tokens to the experts (EP is carved from the TP ranks), so each routed expert computes
+each token tp times; uneven pipeline stages make the others wait on the largest.
 """
 
 from __future__ import annotations
@@ -21,17 +24,48 @@ import torch
 
 @dataclass
 class StepFlops:
-    target_per_token: float
+    target_per_token: float  # the model's forward, each expert computing each token once
     target_per_sequence: float
     drafter_per_position: float
     drafter_per_sequence: float
     positions_per_sequence: int
     parts: dict[str, float]  # drafter FLOPs per supervised position by kind
+    expert_work: float = 1.0  # times each routed expert computes each token on this layout (tp without SP)
+    routed_per_token: float = 0.0  # routed-expert FLOPs per token, counted once
+    pipeline_factor: float = 1.0  # pp * largest stage / layers: >1 when stages are uneven
+
+    @property
+    def target_executed_per_sequence(self) -> float:
+        """What the target ranks spend per sequence: redundant expert work and the wait on the largest stage included."""
+        seq = self.target_per_sequence / max(self.target_per_token, 1.0)
+        return (self.target_per_sequence + (self.expert_work - 1) * self.routed_per_token * seq) * self.pipeline_factor
 
     @property
     def balanced_ratio(self) -> float:
         """Target ranks per drafter rank at which neither side waits (equal FLOP/s per rank)."""
-        return self.target_per_sequence / max(self.drafter_per_sequence, 1.0)
+        return self.target_executed_per_sequence / max(self.drafter_per_sequence, 1.0)
+
+
+def sequence_parallel(recipe, sizes) -> bool:
+    """The megatron target splits tokens over its TP ranks before the expert dispatch whenever tp > 1 with experts
+    (megatron-core refuses TP with EP otherwise in training mode; issue 22's layout rule)."""
+    return recipe.target.backend == "megatron" and recipe.world.target.tp > 1 and bool(sizes.num_experts)
+
+
+def expert_work(recipe, sizes, sp: bool | None = None) -> float:
+    """Times each routed expert computes each token: tp without sequence parallelism (every TP rank dispatches the
+    same tokens), once with it."""
+    sp = sequence_parallel(recipe, sizes) if sp is None else sp
+    return 1.0 if sp or not sizes.num_experts else float(recipe.world.target.tp)
+
+
+def stage_layers(recipe, num_layers: int) -> list[int]:
+    """Layers per pipeline stage: world.target.pipeline_layers where the schema has it, else an equal split."""
+    t = recipe.world.target
+    table = getattr(t, "pipeline_layers", None)
+    if table:
+        return list(table)
+    return [num_layers // t.pp + (1 if s < num_layers % t.pp else 0) for s in range(t.pp)]
 
 
 def mean_context(seq: int, window: int | None) -> float:
@@ -81,7 +115,7 @@ def _drafter_groups(drafter, num_experts: int, top_k: int) -> tuple[float, float
     return token, ctx, w2
 
 
-def step_flops(recipe, cfg, sizes, drafter) -> StepFlops:
+def step_flops(recipe, cfg, sizes, drafter, sp: bool | None = None) -> StepFlops:
     seq, d, vocab = recipe.data.max_length, sizes.hidden_size, sizes.vocab_size
     dr = recipe.drafter
     gamma, window, anchors = dr.block_size, dr.sliding_window, min(recipe.anchors.per_sequence, seq)
@@ -101,7 +135,10 @@ def step_flops(recipe, cfg, sizes, drafter) -> StepFlops:
     }
     per_position = sum(parts.values())
     per_token = target_flops_per_token(cfg, sizes, seq)
-    return StepFlops(per_token, per_token * seq, per_position, per_position * positions, positions, parts)
+    routed = 2 * sizes.expert_params * sizes.experts_per_token / sizes.num_experts if sizes.num_experts else 0.0
+    stages = stage_layers(recipe, sizes.num_layers)
+    return StepFlops(per_token, per_token * seq, per_position, per_position * positions, positions, parts,
+                     expert_work(recipe, sizes, sp), routed, len(stages) * max(stages) / sizes.num_layers)
 
 
 def meta_drafter(recipe, cfg, num_capture: int):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dstrain.errors import UserError
-from dstrain.flops import StepFlops, balance_verdict, meta_drafter, step_flops
+from dstrain.flops import StepFlops, balance_verdict, meta_drafter, sequence_parallel, stage_layers, step_flops
 from dstrain.recipe import Recipe
 from dstrain.targets.base import default_capture_layers
 from dstrain.targets.configs import TargetSizes, resolve_config, size_target
@@ -45,18 +45,24 @@ def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
 
 
 def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: int,
-                    target_elements: int | None = None) -> dict[str, dict[str, float]]:
+                    target_elements: int | None = None, expert_ffn: int = 0) -> dict[str, dict[str, float]]:
     """Bytes per rank (GiB): weights exactly (a megatron target rank's from the shard plan its loader executes,
-    `target_elements`; otherwise by parameter counts), activations by formula."""
+    `target_elements`; otherwise by parameter counts, for the largest pipeline stage), activations by formula."""
     t, ds = recipe.world.target, recipe.deepspeed
     wbytes = BYTES[recipe.target.dtype]
     dense = sizes.params - sizes.expert_params
-    target_w = (dense / (t.tp * t.pp) + sizes.expert_params / (t.ep * t.pp)) * wbytes
+    stage = max(stage_layers(recipe, sizes.num_layers)) / sizes.num_layers  # share of the layers on the largest stage
+    target_w = (dense / t.tp + sizes.expert_params / t.ep) * stage * wbytes
     if target_elements is not None:
         target_w = target_elements * wbytes
     seq, mb, d = recipe.data.max_length, recipe.train.micro_batch_size, sizes.hidden_size
-    # inference only: the residual stream, one layer's working set (~4d wide MLP/attention tensors), the captured layers.
-    target_act = mb * seq * d * wbytes * (m + 1 + 6) / t.tp
+    # inference only. Sequence parallel splits the residual stream and the captured layers over the TP ranks (without
+    # it every TP rank holds them whole); one layer's working set (~6d wide attention/MLP tensors) is split either way.
+    split = t.tp if sequence_parallel(recipe, sizes) else 1
+    target_act = mb * seq * d * wbytes * ((m + 1) / split + 6 / t.tp)
+    # the expert dispatch: each of the rank's tokens goes to top-k experts (permuted in and out, and the expert's
+    # gate/up/activation rows), received evenly from its EP group
+    dispatch = mb * seq / split * sizes.experts_per_token * (2 * d + 3 * expert_ffn) * wbytes if sizes.num_experts else 0.0
     gamma, win, k = recipe.drafter.block_size, recipe.drafter.sliding_window or seq, recipe.anchors.per_sequence
     blocks = mb * min(k, seq)
     pbytes = BYTES[ds.precision]
@@ -77,7 +83,7 @@ def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: 
     incoming = (context_rows * m + blocks * gamma) * d * wbytes
     return {
         "target rank": {"weights" + (" (shard plan)" if target_elements is not None else ""): target_w / GiB,
-                        "activations": target_act / GiB},
+                        "activations": target_act / GiB, **({"expert dispatch": dispatch / GiB} if dispatch else {})},
         "drafter rank": {
             "params": params_b / GiB, "grads": grads_b / GiB, "optimizer+master": optim_b / GiB,
             "frozen embed+lm_head": frozen / GiB, "activations": drafter_act / GiB, "streamed features": incoming / GiB,
@@ -110,8 +116,9 @@ def build_plan(recipe: Recipe) -> Plan:
         raise UserError(f"target.capture_layers {bad} out of range: the target has layers 0..{sizes.num_layers - 1}")
     drafter = meta_drafter(recipe, cfg, len(capture))
     dparams = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    return Plan(recipe, source, sizes, list(capture), dparams, memory_estimate(recipe, sizes, dparams, len(capture), held),
-                step_flops(recipe, cfg, sizes, drafter), load)
+    ffn = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", 0) or 0
+    return Plan(recipe, source, sizes, list(capture), dparams,
+                memory_estimate(recipe, sizes, dparams, len(capture), held, ffn), step_flops(recipe, cfg, sizes, drafter), load)
 
 
 def load_estimate(recipe: Recipe, stage_plans: list) -> dict[str, int] | None:
@@ -166,9 +173,18 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
         add(f"  world    disaggregated: {w.world_size} ranks = drafter ranks 0..{nd - 1} (DeepSpeed ZeRO-{ds.zero_stage} {ds.precision})"
             f" + target ranks {nd}..{w.world_size - 1} (tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp}; tp fastest, then replica, then stage)")
         add(f"           routing: target replica i streams to drafter ranks {{j : j mod {t.dp} = i}} ({nd} drafter ranks / {t.dp} replicas)")
+        if getattr(t, "pipeline_layers", None):
+            add(f"           pipeline stages of {t.pipeline_layers} layers")
         if r.target.backend == "hf" and (t.tp, t.pp, t.ep) != (1, 1, 1):
             add("           NOTE: the hf backend runs one whole replica per target rank; tp/pp/ep of HF targets is planned here"
                 " but not built, so launching this layout stops at start-up (set tp=pp=ep=1, or a megatron family)")
+    from dstrain.runtime.node_map import node_lines, spans
+    from dstrain.runtime.world import layout_of
+
+    layout = layout_of(w)
+    add(f"  nodes    {spans(layout)}")
+    for line in node_lines(layout):
+        add(f"           {line}")
     moe = f", {s.num_experts} experts top-{s.experts_per_token}" if s.num_experts else ", dense"
     add(f"  target   {r.target.name} [backend={r.target.backend}, {r.target.dtype}] from {plan.source}")
     add(f"           {_n(s.params)} params ({_n(s.active_params)} active), {s.num_layers} layers, d={s.hidden_size}, vocab={s.vocab_size}{moe}")
@@ -197,6 +213,12 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
         f" drafter step {_n(f.drafter_per_position)}FLOP per supervised position x {f.positions_per_sequence} per sequence"
         f" = {_n(f.drafter_per_sequence)}FLOP")
     add("           drafter FLOP/position: " + ", ".join(f"{k} {v / f.drafter_per_position:.0%}" for k, v in f.parts.items()))
+    if s.num_experts:
+        why = "sequence parallel" if sequence_parallel(r, s) else (
+            f"tp={t.tp} without sequence parallelism" if f.expert_work > 1 else f"tp={t.tp}")
+        add(f"           expert work per token: {f.expert_work:.2f}x ({why}); target ranks execute"
+            f" {_n(f.target_executed_per_sequence)}FLOP per sequence"
+            + (f" (x{f.pipeline_factor:.2f}: stages wait on the largest)" if f.pipeline_factor > 1 else ""))
     if w.mode == "disaggregated":
         line, warning = balance_verdict(f, t.tp * t.pp * t.dp, w.drafter_ranks, t.dp)
         add(f"  balance  {line}")
@@ -209,11 +231,46 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
         b = plan.load
         add(f"  load     each target rank reads <= {_gib(b['read'] / GiB)} of the {_gib(b['checkpoint'] / GiB)} checkpoint (owns"
             f" {_gib(b['owned'] / GiB)}; the rest: o_proj/down_proj rows whose other columns belong to other tensor ranks)")
-    add("  memory per rank (estimate):")
+    gpu = w.gpu_memory_gib
+    add("  memory per rank (estimate)" + (f" against world.gpu_memory_gib={gpu:g} GiB per GPU:" if gpu else ":"))
     for role, parts in plan.memory.items():
         total = sum(parts.values())
-        add(f"           {role:<13} {_gib(total):>10} = " + " + ".join(f"{k} {_gib(v)}" for k, v in parts.items()))
+        mark = "" if not gpu or w.mode == "colocated" else f" [{total / gpu:.0%}{' OVER' if total > gpu else ''}]"
+        add(f"           {role:<13} {_gib(total):>10}{mark} = " + " + ".join(f"{k} {_gib(v)}" for k, v in parts.items()))
+    if gpu and w.mode == "colocated":
+        total = sum(sum(p.values()) for p in plan.memory.values())
+        add(f"           each colocated rank holds both: {_gib(total)} [{total / gpu:.0%}{' OVER' if total > gpu else ''}]")
     return "\n".join(lines)
+
+
+FIXES = {"target rank": "widen world.target.ep or world.target.tp, or add pipeline stages (world.target.pp)",
+         "drafter rank": "raise deepspeed.zero_stage, lower train.micro_batch_size, or add drafter ranks",
+         "colocated rank": "lower train.micro_batch_size or use world.mode=disaggregated"}
+
+
+def memory_verdict(plan: Plan) -> str | None:
+    """One line when a rank's estimate exceeds world.gpu_memory_gib (the dry run prints the plan, then exits 2 with it)."""
+    w = plan.recipe.world
+    if not w.gpu_memory_gib:
+        return None
+    totals = {role: sum(parts.values()) for role, parts in plan.memory.items()}
+    if w.mode == "colocated":
+        totals = {"colocated rank": sum(totals.values())}
+    for role, total in totals.items():
+        if total > w.gpu_memory_gib:
+            return (f"a {role} needs ~{total:.1f} GiB (dry-run estimate) but world.gpu_memory_gib={w.gpu_memory_gib:g}:"
+                    f" {FIXES[role]}")
+    return None
+
+
+def print_plan(recipe: Recipe, recipe_path: str) -> int:
+    """`dstrain plan` / `--dry-run`: the whole plan, then a refusal in one line when a rank does not fit its GPU."""
+    plan = build_plan(recipe)
+    print(format_plan(plan, recipe_path), flush=True)
+    verdict = memory_verdict(plan)
+    if verdict:
+        raise UserError(verdict)
+    return 0
 
 
 def export_line(drafter_cfg) -> str:

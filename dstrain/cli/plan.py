@@ -19,8 +19,7 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dstrain.plan import build_plan, format_plan
+    from dstrain.plan import print_plan
     from dstrain.recipe import load_recipe
 
-    print(format_plan(build_plan(load_recipe(args.recipe, args.overrides)), args.recipe))
-    return 0
+    return print_plan(load_recipe(args.recipe, args.overrides), args.recipe)

@@ -23,7 +23,8 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     add_recipe_arguments(ap)
     ap.add_argument("--dry-run", action="store_true", help="print the resolved plan (no weights loaded) and exit")
     ap.add_argument("--print-world", action="store_true",
-                    help="print the process layout as JSON (world_size, drafter_ranks, target_ranks) and exit; used by slurm/")
+                    help="print the process layout as JSON (world_size, drafter_ranks, target_ranks, ranks_per_node, nodes,"
+                         " node_map: node -> GPU -> role and groups) and exit; used by slurm/")
     return ap
 
 
@@ -39,13 +40,13 @@ def run(args: argparse.Namespace) -> int:
 
         lay = layout_of(recipe.world)
         print(json.dumps({"world_size": lay.world_size, "drafter_ranks": lay.drafters, "target_ranks": lay.target_ranks,
-                          "mode": recipe.world.mode}))
+                          "mode": recipe.world.mode, "ranks_per_node": recipe.world.ranks_per_node, "nodes": lay.nodes,
+                          "node_map": lay.node_map()}))
         return 0
     if args.dry_run:
-        from dstrain.plan import build_plan, format_plan
+        from dstrain.plan import print_plan
 
-        print(format_plan(build_plan(recipe), args.recipe))
-        return 0
+        return print_plan(recipe, args.recipe)
     from dstrain.train.launch import train
 
     return train(recipe)
