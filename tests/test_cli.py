@@ -94,7 +94,10 @@ def test_plan_by_name_and_unknown_names():
     assert text.startswith("dstrain plan for tiny_moe") and "memory per rank" in text
     code, text, err = call("train", "v4_flash", "--print-world")
     assert code == 0, err
-    assert json.loads(text)["world_size"] == 36
+    world = json.loads(text)
+    assert (world["world_size"], world["ranks_per_node"], world["nodes"]) == (72, 8, 9)
+    assert [g["role"] for g in world["node_map"][0]["gpus"]] == ["drafter"] * 8  # slurm/ reads which node does what
+    assert {(g["gpu"], g["replica"], g["tp"]) for g in world["node_map"][2]["gpus"]} == {(i, 1, i) for i in range(8)}
     for bad in ("v4_flashy", "no/such/recipe.yaml"):
         code, text, err = call("plan", bad)
         assert code == 2 and text == ""

@@ -64,3 +64,47 @@ def test_drafter_vocab_floor_and_balance():
     assert short_drafter and "drafter side" in short_drafter
     one_per_replica = balance_verdict(f, 1 * 4, 4, replicas=4)[1]  # tp*pp = 1 < ratio / 2: only tp/pp can fix it
     assert f.balanced_ratio > 2 and one_per_replica and "at most tp*pp = 1" in one_per_replica
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_expert_work_counts_every_tp_copy_without_sequence_parallelism(family):
+    """Without SP every TP rank dispatches the same tokens to the experts: tp copies of the routed-expert work, which
+    the balance must count; with SP (megatron, tp > 1, experts) once. The routed share is checked against the hand
+    count of the counter test above."""
+    from conftest import ROOT
+    from dstrain.flops import expert_work, meta_drafter, sequence_parallel
+    from dstrain.recipe import load_recipe
+    from dstrain.targets.configs import config_from_dict
+
+    cfg = config_from_dict(TINY[family])
+    sizes = size_target(cfg)
+    layout = ["world.mode=disaggregated", "world.target.tp=4", "world.target.ep=2", "world.drafter_ranks=1",
+              "drafter.mask_token_id=127"]  # the tiny configs' vocabulary is 128 tokens
+    megatron = load_recipe(ROOT / "recipes/tiny_moe.yaml", [*layout, "target.backend=megatron"])
+    hf = load_recipe(ROOT / "recipes/tiny_moe.yaml", layout)
+    assert sequence_parallel(megatron, sizes) and not sequence_parallel(hf, sizes)
+    assert (expert_work(megatron, sizes), expert_work(hf, sizes)) == (1.0, 4.0)
+    drafter = meta_drafter(megatron, cfg, 3)
+    on, off = step_flops(megatron, cfg, sizes, drafter), step_flops(megatron, cfg, sizes, drafter, sp=False)
+    moe_layers = cfg.num_hidden_layers - getattr(cfg, "first_k_dense_replace", 0)
+    ffn = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    routed = moe_layers * sizes.experts_per_token * 2 * 3 * cfg.hidden_size * ffn
+    assert on.routed_per_token == off.routed_per_token == routed
+    seq = megatron.data.max_length
+    assert on.target_executed_per_sequence == on.target_per_sequence  # each expert computes each token once
+    assert off.target_executed_per_sequence == pytest.approx(on.target_per_sequence + 3 * routed * seq)
+    assert off.balanced_ratio == pytest.approx(on.balanced_ratio * off.target_executed_per_sequence / on.target_per_sequence)
+
+
+def test_uneven_pipeline_stages_wait_on_the_largest():
+    from types import SimpleNamespace
+
+    from dstrain.flops import StepFlops, stage_layers
+
+    def recipe(pp, table=None):
+        return SimpleNamespace(world=SimpleNamespace(target=SimpleNamespace(pp=pp, pipeline_layers=table)))
+
+    assert stage_layers(recipe(2), 61) == [31, 30] and stage_layers(recipe(4), 8) == [2, 2, 2, 2]
+    assert stage_layers(recipe(2, [21, 22]), 43) == [21, 22]  # world.target.pipeline_layers, where the schema has it
+    flops = StepFlops(10.0, 1000.0, 1.0, 100.0, 100, {}, pipeline_factor=2 * 22 / 43)
+    assert flops.target_executed_per_sequence == pytest.approx(1000 * 44 / 43)

@@ -8,7 +8,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from conftest import ROOT
+from conftest import ROOT, run_tool
 from dstrain.errors import UserError
 from dstrain.recipe import WorldConfig, load_recipe
 from dstrain.runtime.node_map import node_lines, spans
@@ -125,3 +125,42 @@ def test_launch_with_another_node_size_is_refused(monkeypatch):
     check_node_size(lay)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     check_node_size(layout_of(load_recipe(ROOT / "recipes/tiny_moe.yaml").world))  # null: no node constraint
+
+
+FLAGSHIPS = {"v4_flash": (9, 140), "v4_pro": (9, 140), "deepseek_v3": (5, 79.6), "qwen3_moe": (3, 79.6)}
+
+
+@pytest.mark.parametrize("name", FLAGSHIPS)
+def test_shipped_flagships_fill_whole_8_gpu_nodes_and_fit_their_gpus(name):
+    from dstrain.plan import build_plan, format_plan, memory_verdict
+
+    plan = build_plan(load_recipe(name))
+    text = format_plan(plan, name)
+    nodes, gpu = FLAGSHIPS[name]
+    w = plan.recipe.world
+    assert (w.ranks_per_node, w.gpu_memory_gib, w.world_size) == (8, gpu, 8 * nodes)
+    assert f"{nodes} nodes of 8 GPUs: drafters on 1 node(s) of their own" in text and "inside one node; EP" in text
+    assert sum(line.strip().startswith("node ") for line in text.splitlines()) == nodes
+    assert "expert work per token: 1.00x (sequence parallel)" in text
+    assert memory_verdict(plan) is None and "OVER" not in text
+    assert all(sum(parts.values()) < gpu for parts in plan.memory.values())
+
+
+def test_dry_run_prints_the_whole_plan_then_refuses_a_rank_over_its_gpu_in_one_line():
+    proc = run_tool("-m", "dstrain", "plan", "deepseek_v3", "world.gpu_memory_gib=40", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "node 4: GPUs 0-7 target replica 3 stage 0 tp 0-7 ep 24-31" in proc.stdout
+    assert "OVER]" in proc.stdout and "memory per rank (estimate) against world.gpu_memory_gib=40 GiB" in proc.stdout
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "a target rank needs ~44.0 GiB (dry-run estimate) but world.gpu_memory_gib=40: widen" \
+        " world.target.ep" in err[0], proc.stderr
+
+
+def test_colocated_ranks_hold_target_and_drafter_against_one_gpu():
+    from dstrain.plan import build_plan, format_plan, memory_verdict
+
+    parts = [sum(p.values()) for p in build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml")).memory.values()]
+    gpu = (max(parts) + sum(parts)) / 2  # each role's estimate fits, the rank holding both does not
+    plan = build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml", [f"world.gpu_memory_gib={gpu}"]))
+    assert memory_verdict(plan).startswith("a colocated rank needs ~")
+    assert "each colocated rank holds both" in format_plan(plan, "tiny")

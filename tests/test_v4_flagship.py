@@ -32,6 +32,7 @@ V4 = dict(model_type="deepseek_v4", vocab_size=128, hidden_size=32, num_hidden_l
 
 def overrides(ckpt, shards, out, layout: list[str], steps: int) -> list[str]:
     return [f"target.path={ckpt}", "target.dtype=float32", "deepspeed.precision=fp32", "world.drafter_ranks=2",
+            "world.ranks_per_node=null",  # the recipe's 8-GPU nodes: here one 4-process launch
             "world.target.dp=1", *layout, "drafter.num_heads=4", "drafter.head_dim=8", "drafter.ffn.num_experts=4",
             "drafter.ffn.intermediate_size=32", "drafter.head_rank=16", "drafter.mask_token_id=127", "drafter.sliding_window=16",
             f"data.shards={shards}", "data.max_length=96", "data.shuffle=false", "anchors.per_sequence=8",
