@@ -3,12 +3,15 @@ run prints and `--print-world` hands to slurm/. Group membership is read from me
 `target_process_groups` creates, not re-derived here."""
 
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 from pydantic import ValidationError
 
-from conftest import ROOT, run_tool
+from conftest import ROOT, free_port, run_tool
 from dstrain.errors import UserError
 from dstrain.recipe import WorldConfig, load_recipe
 from dstrain.runtime.node_map import node_lines, spans
@@ -164,3 +167,14 @@ def test_colocated_ranks_hold_target_and_drafter_against_one_gpu():
     plan = build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml", [f"world.gpu_memory_gib={gpu}"]))
     assert memory_verdict(plan).startswith("a colocated rank needs ~")
     assert "each colocated rank holds both" in format_plan(plan, "tiny")
+
+
+@pytest.mark.distributed
+def test_torchrun_with_another_node_size_stops_before_any_process_group():
+    """The check is wired into the launch: torchrun puts 2 processes on the node, the recipe says 1 per node."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "dstrain/main.py", "recipes/tiny_moe.yaml", "world.target.dp=2",
+                           "world.drafter_ranks=2", "world.ranks_per_node=1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "world.ranks_per_node=1 but this launch runs 2 process(es) per node" in proc.stderr, proc.stderr[-2000:]

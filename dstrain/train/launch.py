@@ -119,10 +119,11 @@ def preflight(recipe):
     first) the checkpoint folder, verified against its manifests. Returns the verified checkpoint tag (rank 0)."""
     from dstrain.data.loader import load_manifest
     from dstrain.errors import UserError
-    from dstrain.runtime.world import check_world_size, layout_of, run_device
+    from dstrain.runtime.world import check_node_size, check_world_size, layout_of, run_device
     from dstrain.train import checkpoint
 
     check_world_size(layout_of(recipe.world))
+    check_node_size(layout_of(recipe.world))
     run_device(recipe, int(os.environ.get("LOCAL_RANK", "0")))  # e.g. run.device=cuda on a machine without one
     load_manifest(recipe.data.shards, recipe.target.name)
     if recipe.target.source == "path" and not Path(recipe.target.path).is_dir():
