@@ -178,3 +178,18 @@ def test_torchrun_with_another_node_size_stops_before_any_process_group():
                           timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert "world.ranks_per_node=1 but this launch runs 2 process(es) per node" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_sequence_parallel_splits_the_target_activations_and_dispatch_over_tp():
+    """Under SP (megatron, tp > 1, experts) a TP rank holds 1/tp of the residual stream, captured layers and expert
+    dispatch; without it (the hf backend's planned tp) each rank holds them whole."""
+    from dstrain.plan import BYTES, build_plan
+
+    layout = ["world.mode=disaggregated", "world.target.tp=2", "world.target.ep=2", "world.drafter_ranks=1"]
+    sp = build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml", [*layout, "target.backend=megatron"]))
+    whole = build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml", layout))
+    a, b = sp.memory["target rank"], whole.memory["target rank"]
+    assert a["expert dispatch"] * 2 == pytest.approx(b["expert dispatch"]) and a["expert dispatch"] > 0
+    r, m = sp.recipe, len(sp.capture_layers)
+    stream = r.train.micro_batch_size * r.data.max_length * sp.sizes.hidden_size * BYTES[r.target.dtype] * (m + 1) / 2**30
+    assert b["activations"] - a["activations"] == pytest.approx(stream / 2)
