@@ -119,10 +119,10 @@ def test_node_lines_name_roles_per_node_and_collapse_large_worlds():
 
 
 def test_launch_with_another_node_size_is_refused(monkeypatch):
-    lay = layout_of(load_recipe("v4_flash", ["world.ranks_per_node=8", "world.drafter_ranks=8"]).world)
+    lay = layout_of(load_recipe("v4_flash").world)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(UserError, match="world.ranks_per_node=8 but this launch runs 4 process\\(es\\) per node: run"
-                                        " torchrun --nproc-per-node 8 on 5 node\\(s\\)"):
+                                        " torchrun --nproc-per-node 8 on 9 node\\(s\\)"):
         check_node_size(lay)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     check_node_size(lay)
