@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from dstrain.errors import UserError
 from dstrain.flops import StepFlops, balance_verdict, meta_drafter, step_flops
 from dstrain.recipe import Recipe
+from dstrain.runtime.channel import plan_channel_line
 from dstrain.targets.base import default_capture_layers
 from dstrain.targets.configs import TargetSizes, resolve_config, size_target
 
@@ -166,6 +167,7 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
         add(f"  world    disaggregated: {w.world_size} ranks = drafter ranks 0..{nd - 1} (DeepSpeed ZeRO-{ds.zero_stage} {ds.precision})"
             f" + target ranks {nd}..{w.world_size - 1} (tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp}; tp fastest, then replica, then stage)")
         add(f"           routing: target replica i streams to drafter ranks {{j : j mod {t.dp} = i}} ({nd} drafter ranks / {t.dp} replicas)")
+        add(f"           {plan_channel_line(r)}")
         if r.target.backend == "hf" and (t.tp, t.pp, t.ep) != (1, 1, 1):
             add("           NOTE: the hf backend runs one whole replica per target rank; tp/pp/ep of HF targets is planned here"
                 " but not built, so launching this layout stops at start-up (set tp=pp=ep=1, or a megatron family)")

@@ -92,3 +92,12 @@ def test_losses_keep_upcast_gemms_off_cuda():
     out = _gemm(a, b, lowp=False)
     assert out.dtype == torch.float32 and torch.equal(out, a.float() @ b.float())
     assert _gemm(a.double(), b.float(), lowp=False).dtype == torch.float64
+
+
+def test_dry_run_names_the_channel_path():
+    from dstrain.runtime.channel import plan_channel_line
+
+    disagg = {"mode": "disaggregated", "drafter_ranks": 1}
+    assert plan_channel_line(recipe()) is None  # colocated: no channel
+    assert "NCCL device to device" in plan_channel_line(recipe(device="cuda", world=disagg))
+    assert plan_channel_line(recipe(device="cpu", world=disagg)).startswith("channel: host-staged over gloo")

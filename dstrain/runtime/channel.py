@@ -84,8 +84,8 @@ def plan_channel_line(recipe) -> str | None:
         return None
     if recipe.run.device == "cpu" or (recipe.run.device == "auto" and not torch.cuda.is_available()):
         return f"channel: {PATHS['host']}"
-    return (f"channel: {PATHS['nccl']}, each rank on its own GPU; ranks sharing a GPU (more processes per node than GPUs)"
-            f" fall back to {PATHS['host']}")
+    return (f"channel: {PATHS['nccl']}; host-staged over gloo instead where ranks share a GPU (more processes per"
+            " node than GPUs)")
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
