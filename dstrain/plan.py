@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from dstrain.errors import UserError
 from dstrain.flops import StepFlops, balance_verdict, meta_drafter, sequence_parallel, stage_layers, step_flops
 from dstrain.recipe import Recipe
+from dstrain.runtime.channel import plan_channel_line
 from dstrain.targets.base import default_capture_layers
 from dstrain.targets.configs import TargetSizes, resolve_config, size_target
 
@@ -175,6 +176,7 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
         add(f"           routing: target replica i streams to drafter ranks {{j : j mod {t.dp} = i}} ({nd} drafter ranks / {t.dp} replicas)")
         if getattr(t, "pipeline_layers", None):
             add(f"           pipeline stages of {t.pipeline_layers} layers")
+        add(f"           {plan_channel_line(r)}")
         if r.target.backend == "hf" and (t.tp, t.pp, t.ep) != (1, 1, 1):
             add("           NOTE: the hf backend runs one whole replica per target rank; tp/pp/ep of HF targets is planned here"
                 " but not built, so launching this layout stops at start-up (set tp=pp=ep=1, or a megatron family)")

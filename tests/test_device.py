@@ -32,8 +32,30 @@ def test_run_device_resolution_and_errors(no_gpu):
         run_device(recipe(device="cuda"))
     disagg = {"mode": "disaggregated", "drafter_ranks": 1}
     assert run_device(recipe(world=disagg)) == torch.device("cpu")
-    with pytest.raises(UserError, match="disaggregated runs stream target features as CPU tensors"):
+    with pytest.raises(UserError, match="run.device=cuda but torch .* sees no CUDA device"):
         run_device(recipe(device="cuda", world=disagg))
+
+
+def test_cuda_ranks_bind_their_local_gpu_and_share_only_when_disaggregated(monkeypatch):
+    """GPUs faked: cuda:LOCAL_RANK and NCCL when each rank owns one; more processes than GPUs on a node share them
+    round-robin in a disaggregated run, on gloo (NCCL cannot hold two ranks of a group on one device); a
+    colocated run refuses."""
+    from dstrain.runtime.channel import channel_path
+    from dstrain.runtime.world import process_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    disagg = {"mode": "disaggregated", "drafter_ranks": 1}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for world in ({}, disagg):
+        assert run_device(recipe(device="cuda", world=world), 1) == torch.device("cuda", 1)
+    assert process_backend(torch.device("cuda", 1)) == "nccl" and channel_path("nccl") == "nccl"
+    assert process_backend(torch.device("cpu")) == "gloo" and channel_path("gloo") == "host"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert run_device(recipe(device="cuda", world=disagg), 2) == torch.device("cuda", 0)
+    assert process_backend(torch.device("cuda", 0)) == "gloo"
+    with pytest.raises(UserError, match="local rank 2 has no GPU: this node shows 2 CUDA device"):
+        run_device(recipe(device="cuda"), 2)
 
 
 def test_cli_refuses_cuda_without_a_gpu(tmp_path, no_gpu):
@@ -70,3 +92,12 @@ def test_losses_keep_upcast_gemms_off_cuda():
     out = _gemm(a, b, lowp=False)
     assert out.dtype == torch.float32 and torch.equal(out, a.float() @ b.float())
     assert _gemm(a.double(), b.float(), lowp=False).dtype == torch.float64
+
+
+def test_dry_run_names_the_channel_path():
+    from dstrain.runtime.channel import plan_channel_line
+
+    disagg = {"mode": "disaggregated", "drafter_ranks": 1}
+    assert plan_channel_line(recipe()) is None  # colocated: no channel
+    assert "NCCL device to device" in plan_channel_line(recipe(device="cuda", world=disagg))
+    assert plan_channel_line(recipe(device="cpu", world=disagg)).startswith("channel: host-staged over gloo")

@@ -349,3 +349,28 @@ def test_dry_run_plan_sizes_each_rank_from_the_plan_the_loader_executes(folders)
     assert plan.memory["target rank"]["weights (shard plan)"] * GiB == pytest.approx(held)
     assert plan.load["read"] == read
     assert "each target rank reads <=" in format_plan(plan, "tiny")
+
+
+@pytest.mark.parametrize("family,fp8", [("qwen3_moe", None), ("mixtral", 8)])
+def test_device_loads_stream_through_one_bounded_host_buffer(folders, family, fp8):
+    """The device path (forced onto CPU tensors, unpinned, where no GPU is at hand) fills every rank's slices
+    exactly like the direct path, reading the same bytes (FP8: plus scale rows two pieces share), while the host buffer it allocates stays at the
+    stated bound: max(buffer_bytes, largest column-sliced Read) — far below the rank's parameter bytes."""
+    folder = folders(family, fp8)
+    cfg, hf = load_config(folder), hf_state(folder)
+    adapter, buffer = adapter_for(cfg), 2048
+    with CheckpointReader(folder, torch.float32) as reader:
+        for at in coords(cfg):
+            plan, ref = adapter.rank_plan(cfg, at), reference_rank_state(hf, cfg, at)
+            dests = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
+            stats = load_into(dests, plan, reader, buffer_bytes=buffer, stage=True)
+            planned = plan_bytes(plan, reader)  # FP8: each row piece reads the scales covering it (some twice)
+            assert planned <= stats.bytes_read <= planned * (1.02 if fp8 else 1), (at, stats.bytes_read, planned)
+            for name, want in ref.items():
+                assert torch.equal(dests[name], want), (at, name)
+            columns = max((r.numel * 4 for p in plan for r in p.reads if r.dim not in (None, 0)), default=0)
+            rows = max(r.numel * 4 // r.slice_shape[0] for p in plan for r in p.reads if r.shape)
+            bound = max(buffer, columns, rows)
+            total = sum(v.numel() * 4 for v in ref.values())
+            print(f"{family} fp8={fp8} {at}: host peak {stats.host_peak} B (bound {bound} B) for {total} B of parameters")
+            assert 0 < stats.host_peak <= bound and stats.host_peak * 4 < total, (at, stats.host_peak, bound, total)

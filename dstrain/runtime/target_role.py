@@ -25,10 +25,10 @@ def load_role_target(recipe, world):
     if recipe.target.backend == "megatron":
         from dstrain.targets.megatron import load_megatron_target
 
-        return load_megatron_target(recipe.target, world.target_groups, recipe.run.seed)
-    from dstrain.targets import load_target
+        return load_megatron_target(recipe.target, world.target_groups, recipe.run.seed, world.device)
+    from dstrain.train.launch import colocated_target
 
-    return load_target(recipe.target, seed=recipe.run.seed)
+    return colocated_target(recipe, world.device)
 
 
 def _flat(batch: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -46,13 +46,13 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
     start = None
     progress(-1, "resume")
     for j in served:  # every drafter of this replica says where the run stands
-        step, state = recv_resume(lay.drafter_rank(j))
+        step, state = recv_resume(lay.drafter_rank(j), group=world.host_group)
         if state is not None:
             loaders[j].load_state_dict({**loaders[j].state_dict(), **state})
         start = step if start is None else start
     streams = {j: iter(loaders[j]) for j in served}
     r = recipe
-    sender = Sender()
+    sender = Sender(path=world.channel_path, host_group=world.host_group)
     log_path = run_dir / "channel" / f"target-rank-{world.rank}.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a") as log:
@@ -65,7 +65,7 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
                     ctx, finals = needed_rows(packed)
                     ids, att, lengths = padded_batch(samples)
                     progress(step, "forward")
-                    out = target(ids, att)
+                    out = target(ids.to(world.device), att.to(world.device))
                     captured = out.captured if out is not None else target.local_captured
                     final = out.final_hidden if out is not None else target.final_hidden
                     dst = lay.drafter_rank(j)

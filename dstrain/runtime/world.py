@@ -10,7 +10,9 @@ drafter count moves the target by whole nodes only (tests/test_placement.py). Dr
 stage sends the rows it owns (captured layers of its stage; the last stage also the final states).
 
 Every process group is created on every rank in the same order (torch.distributed requires it,
-members or not); DeepSpeed only ever sees the drafter group, through `DrafterMPU`.
+members or not); DeepSpeed only ever sees the drafter group, through `DrafterMPU`. The target and drafter groups
+use the default backend (NCCL on a CUDA run, gloo on the CPU); one more gloo group over every rank
+(`World.host_group`) carries what stays on the host: channel headers and resume messages.
 """
 
 from __future__ import annotations
@@ -183,6 +185,9 @@ class World:
     drafter_group: object = None  # DeepSpeed's data-parallel group (WORLD when colocated)
     mpu: DrafterMPU | None = None
     target_groups: object = None  # megatron ProcessGroupCollection on target ranks
+    backend: str = "gloo"  # of the default group and of every target/drafter group (nccl on CUDA runs)
+    host_group: object = None  # gloo over every rank: what stays on the host (channel headers, resume messages)
+    channel_path: str = "host"  # channel.channel_path: "nccl" or "host"
 
     @property
     def role(self) -> str:
@@ -203,22 +208,36 @@ class World:
 
 
 def run_device(recipe, local_rank: int = 0) -> torch.device:
-    """The device a rank trains on: `run.device` (auto = CUDA when torch sees one), one GPU per local rank.
+    """The device a rank trains on: `run.device` (auto = CUDA when torch sees one), `cuda:LOCAL_RANK`.
 
-    Disaggregated runs stay on the CPU: their channel streams CPU tensors over gloo (not wired for NCCL yet)."""
+    A disaggregated world with more ranks on a node than GPUs (`LOCAL_WORLD_SIZE`) shares them round-robin (target
+    and drafter on one GPU); NCCL cannot hold two ranks of one group on one device, so `process_backend` then
+    picks gloo and the channel stages through host memory (channel.channel_path)."""
     want = recipe.run.device
-    if want == "cuda" and recipe.world.mode == "disaggregated":
-        raise UserError("run.device=cuda: disaggregated runs stream target features as CPU tensors over gloo (CUDA is"
-                        " not wired for them yet); set run.device=cpu or auto, or world.mode=colocated")
     if want == "cuda" and not torch.cuda.is_available():
         raise UserError(f"run.device=cuda but torch {torch.__version__} sees no CUDA device (CPU-only build or"
                         " CUDA_VISIBLE_DEVICES empty); set run.device=cpu or auto")
-    if want == "cpu" or recipe.world.mode == "disaggregated" or not torch.cuda.is_available():
+    if want == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
-        raise UserError(f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} CUDA device(s);"
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        if recipe.world.mode == "disaggregated" and shares_gpus(count):
+            return torch.device("cuda", local_rank % count)
+        raise UserError(f"local rank {local_rank} has no GPU: this node shows {count} CUDA device(s);"
                         " launch at most that many processes per node, or set run.device=cpu")
     return torch.device("cuda", local_rank)
+
+
+def shares_gpus(gpus_on_node: int) -> bool:
+    """More processes on this node than GPUs (only a disaggregated run on a small machine does this on purpose)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus_on_node
+
+
+def process_backend(device: torch.device) -> str:
+    """NCCL for a CUDA run whose ranks each own a GPU; gloo on the CPU and when ranks share GPUs."""
+    if device.type != "cuda" or shares_gpus(torch.cuda.device_count()):
+        return "gloo"
+    return "nccl"
 
 
 def select_deepspeed_accelerator(device: torch.device) -> None:
@@ -268,7 +287,7 @@ def init_world(recipe) -> World:
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = run_device(recipe, local)
     select_deepspeed_accelerator(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -287,11 +306,16 @@ def init_world(recipe) -> World:
             store = tempfile.NamedTemporaryFile(prefix="dstrain-pg-", delete=False).name
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    world = World(rank, size, local, layout, device=device)
+    world = World(rank, size, local, layout, device=device, backend=backend)
     if not layout.disaggregated:
         world.drafter_group = dist.group.WORLD
         return world
     build_groups(world)
+    from dstrain.runtime.channel import PATHS, channel_path
+
+    world.channel_path = channel_path(backend)
+    if rank == 0:
+        print(f"dstrain: {backend} groups on {device.type}; channel: {PATHS[world.channel_path]}", flush=True)
     return world
 
 
@@ -302,6 +326,8 @@ def build_groups(world: World) -> None:
     drafters = list(range(lay.drafters))
     drafter_group = dist.new_group(drafters)
     self_groups, _ = dist.new_subgroups_by_enumeration([[r] for r in drafters])
+    # last, so the groups above keep their creation order; on a gloo world it is just another gloo group
+    world.host_group = dist.new_group(backend="gloo")
     if world.role == "target":
         world.target_groups = pgs
     else:

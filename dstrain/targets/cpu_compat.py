@@ -1,8 +1,10 @@
-"""megatron-core 0.16.1 on a machine without CUDA: the few patches its CPU forward needs.
+"""megatron-core 0.16.1 run on the CPU: the few patches its CPU forward needs.
 
-Applied only when CUDA is absent, only for the pinned version, each patch named (`PATCHES`) and
-tested on its own (tests/test_megatron.py). The target is frozen and inference-only, so nothing
-here touches megatron's optimizer, DDP or backward paths.
+Applied only when the run's device is the CPU (whatever the machine has: a CPU run on a GPU machine needs
+them too, a CUDA run never gets them), only for the pinned version, each patch named (`PATCHES`) and tested
+on its own (tests/test_channel.py). The target is frozen and inference-only, so nothing here touches
+megatron's optimizer, DDP or backward paths. The missing-TransformerEngine router fix lives in
+mcore_patches (it is reached on CUDA too).
 """
 
 from __future__ import annotations
@@ -76,15 +78,6 @@ def _cpu_rng_fork() -> None:
     mrandom.CudaRNGStatesTracker.fork = fork
 
 
-def _router_gemm_name() -> None:
-    """moe_utils' router GEMM tests `te_general_gemm is not None`, a name bound only when
-    TransformerEngine imports; without it the test raises NameError. Bind it to None."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def _a2a_split_lists() -> None:
     """The all-to-all dispatcher moves its split sizes to host as numpy arrays; gloo's all_to_all_single
     accepts only lists of ints."""
@@ -103,12 +96,12 @@ def _a2a_split_lists() -> None:
 
 
 PATCHES = {"cuda_streams": _cuda_streams, "cpu_masks": _cpu_masks, "cpu_rng_fork": _cpu_rng_fork,
-           "router_gemm_name": _router_gemm_name, "a2a_split_lists": _a2a_split_lists}
+           "a2a_split_lists": _a2a_split_lists}
 
 
-def apply() -> list[str]:
-    """Apply every patch once (no-op with CUDA present); returns the names applied."""
-    if torch.cuda.is_available():
+def apply(device: torch.device | str = "cpu") -> list[str]:
+    """Apply every patch once when the run's `device` is the CPU (no-op on CUDA); returns the names applied."""
+    if torch.device(device).type != "cpu":
         return APPLIED
     from dstrain.targets.mcore_patches import apply_pinned
 

@@ -94,6 +94,26 @@ PATCHES = {"mla_local_core_attention": _mla_local_core_attention, "mla_te_flag":
            "mla_q_proj_tp_group": _mla_q_proj_tp_group}
 
 
+def _router_te_gemm_name() -> None:
+    """moe_utils' RouterGatingLinearFunction tests `te_general_gemm is not None`, a name bound only when
+    TransformerEngine imports; without it every MoE router forward raises NameError, on CPU and CUDA alike.
+    Bind it to None (the function then takes its torch.mm branch)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+NO_TE_PATCHES = {"router_te_gemm_name": _router_te_gemm_name}  # only where TransformerEngine does not import
+NO_TE_APPLIED: list[str] = []
+
+
+def has_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def apply_pinned(patches: dict, applied: list[str], what: str) -> list[str]:
     """Apply each named patch once, refusing any megatron-core but the one they were written against."""
     if applied:
@@ -114,3 +134,10 @@ def apply_pinned(patches: dict, applied: list[str], what: str) -> list[str]:
 def apply() -> list[str]:
     """Apply every patch once (with or without CUDA); returns the names applied."""
     return apply_pinned(PATCHES, APPLIED, "dstrain's megatron patches")
+
+
+def apply_without_te() -> list[str]:
+    """The patches a megatron-core without TransformerEngine needs (none when it imports); any device."""
+    if has_transformer_engine():
+        return NO_TE_APPLIED
+    return apply_pinned(NO_TE_PATCHES, NO_TE_APPLIED, "dstrain's no-TransformerEngine patches")

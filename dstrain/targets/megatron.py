@@ -29,19 +29,23 @@ class _StopAtFinalNorm(Exception):
 
 class MegatronTarget:
     def __init__(self, cfg, reader, name: str, groups, capture_layers: list[int] | None = None, num_capture: int = 3,
-                 dtype: str = "float32"):
-        """Build this rank's GPTModel for transformers config `cfg` and fill it from `reader` (a CheckpointReader
-        over the checkpoint folder) with exactly the slices its shard plan names."""
+                 dtype: str = "float32", device: torch.device | str = "cpu"):
+        """Build this rank's GPTModel for transformers config `cfg` on `device` and fill it from `reader` (a
+        CheckpointReader over the checkpoint folder) with exactly the slices its shard plan names."""
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-        from dstrain.targets import cpu_compat
+        from dstrain.targets import cpu_compat, mcore_patches
         from dstrain.targets.adapters import adapter_for
         from dstrain.targets.shard_plan import RankCoords
         from dstrain.targets.sharded_load import load_plan
 
-        cpu_compat.apply()
+        self.device = torch.device(device)
+        if self.device.type == "cuda":  # megatron allocates parameters and p2p buffers on torch.cuda.current_device()
+            torch.cuda.set_device(self.device)
+        cpu_compat.apply(self.device)  # on the CPU, current_device() answers "cpu": p2p buffers follow the model
+        mcore_patches.apply_without_te()
         adapter = adapter_for(cfg)
         self.name, self.hidden_size, self.vocab_size = name, cfg.hidden_size, cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
@@ -57,6 +61,7 @@ class MegatronTarget:
         self.local_layers = [i for i in self.capture_layers if self.layer_offset <= i < self.layer_offset + per_stage]
 
         tcfg = adapter.transformer_config(cfg, tp, pp, ep, DTYPES[dtype])
+        tcfg.use_cpu_initialization = self.device.type == "cpu"  # on CUDA: built on the GPU, never moved
         if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
             parallel_state._set_global_memory_buffer()  # the local attention borrows scratch space from it
         build = getattr(adapter, "build_model", None)  # a family whose model is not a GPTModel (DeepSeek-V4)
@@ -69,6 +74,7 @@ class MegatronTarget:
         self.stage_width = getattr(self.model, "stage_width", cfg.hidden_size)
         self.ids_everywhere = getattr(self.model, "needs_input_ids", False)
         self.readout = getattr(self.model, "readout", None)  # V4: a captured layer's streams through the hc head
+        self.model.to(self.device)  # no-op for megatron's own parameters; moves any a family module made on the CPU
         if self.last and getattr(self.model, "output_layer", None) is not None:
             self.model.output_layer.weight = None  # the LM head runs on the drafter side: never read, never held
         self.load_stats = load_plan(self.model, adapter.rank_plan(cfg, self.coords), reader, f"target {name}")
@@ -99,7 +105,8 @@ class MegatronTarget:
         try:
             if not self.first:
                 self.model.set_input_tensor(self.p2p.recv_forward((T, B, self.stage_width), is_first_stage=False))
-            position_ids = torch.arange(T).unsqueeze(0).expand(B, -1)
+            input_ids = input_ids.to(self.device)
+            position_ids = torch.arange(T, device=self.device).unsqueeze(0).expand(B, -1)
             try:
                 ids = input_ids if self.first or self.ids_everywhere else None
                 out = self.model(ids, position_ids, attention_mask=None)
@@ -119,7 +126,7 @@ class MegatronTarget:
     __call__ = forward
 
 
-def load_megatron_target(target_cfg, groups, seed: int):
+def load_megatron_target(target_cfg, groups, seed: int, device: torch.device | str = "cpu"):
     """Build this target rank's shard of the recipe's target, reading only its own slices of the checkpoint."""
     from dstrain.targets import checkpoint_folder
     from dstrain.targets.checkpoint import CheckpointReader
@@ -130,6 +137,6 @@ def load_megatron_target(target_cfg, groups, seed: int):
     torch.manual_seed(seed)  # megatron's CPU init may draw from the global RNG before our weights overwrite it
     with CheckpointReader(folder, DTYPES[target_cfg.dtype]) as reader:
         target = MegatronTarget(cfg, reader, target_cfg.name, groups, target_cfg.capture_layers, target_cfg.num_capture,
-                                target_cfg.dtype)
+                                target_cfg.dtype, device)
     dist.barrier(group=groups.mp)
     return target

@@ -44,6 +44,7 @@ def train(recipe) -> int:
         from dstrain.targets.frozen import load_frozen_parts
 
         frozen = load_frozen_parts(recipe.target, recipe.run.seed)
+        frozen.embedding.to(world.device), frozen.lm_head.to(world.device)  # the channel delivers rows there
         source = channel_source(recipe, world, frozen)
     else:
         from dstrain.train.step import FeatureCache
@@ -176,7 +177,9 @@ def channel_source(recipe, world, frozen):
     stage_order = [layer for s in range(lay.pp) for layer, st in zip(frozen.capture_layers, stages) if st == s]
     row_sources = [(lay.target_rank(0, replica, s), stages.count(s)) for s in range(lay.pp) if stages.count(s)]
     receiver = Receiver(lay.target_rank(0, replica, lay.pp - 1), row_sources,
-                        [stage_order.index(layer) for layer in frozen.capture_layers])
+                        [stage_order.index(layer) for layer in frozen.capture_layers],
+                        path=getattr(world, "channel_path", "host"), device=getattr(world, "device", "cpu"),
+                        host_group=getattr(world, "host_group", None))
     replica_ranks = [lay.target_rank(t, replica, s) for s in range(lay.pp) for t in range(lay.tp)]
     return ChannelSource(receiver, replica_ranks, recipe)
 

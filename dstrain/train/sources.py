@@ -82,7 +82,7 @@ class ChannelSource:
 
     def start(self, step: int) -> None:
         """Tell every rank of the feeding replica where to start (its loaders live there)."""
-        send_resume(self.resume_to, step, self.loader_state)
+        send_resume(self.resume_to, step, self.loader_state, group=self.receiver.host_group)
         if step < self.recipe.train.steps:
             self.receiver.prefetch()
 
@@ -98,7 +98,8 @@ class ChannelSource:
             if (len(ctx), len(finals)) != (got.captured.shape[0], got.final_hidden.shape[0]):
                 raise RuntimeError(f"channel: target sent {got.captured.shape[0]}/{got.final_hidden.shape[0]} rows, the"
                                    f" drafter's anchors need {len(ctx)}/{len(finals)}: the two sides disagree on anchors")
-            out.append(MicroBatch(got.samples, compact(packed), self, TargetFeatures(got.captured, got.final_hidden)))
+            out.append(MicroBatch(got.samples, compact(packed).to(self.receiver.device), self,
+                                  TargetFeatures(got.captured, got.final_hidden)))
             self.loader_state = got.loader_state
         return out
 
