@@ -70,8 +70,8 @@ export WANDB_MODE=${WANDB_MODE:-offline}
 # thread's stack on a fatal signal. Each only where the user has not set it.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
-export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$LOG_DIR/nccl_trace_rank_}
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}  # the flight recorder that dump writes (torch 2.13 names)
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$LOG_DIR/nccl_trace_rank_}
 export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 echo "job ${SLURM_JOB_ID:-local} (restart ${SLURM_RESTART_COUNT:-0}): $WORLD ranks, rendezvous $MASTER_ADDR:$MASTER_PORT (c10d), logs $LOG_DIR"
