@@ -81,7 +81,8 @@ notice() {  # Slurm's warning: every training process saves at its next step bou
   [[ -n "$NOTICE" ]] && return
   NOTICE=$1
   echo "$1: asking the training processes for a checkpoint (USR1 to job $SLURM_JOB_ID's steps)"
-  scancel --signal=USR1 "$SLURM_JOB_ID" || true
+  # in the background and bounded: a job Slurm is already ending refuses signals and scancel would retry for minutes
+  timeout 20 scancel --signal=USR1 "$SLURM_JOB_ID" >/dev/null 2>&1 &
 }
 trap 'notice USR1' USR1
 trap 'notice SIGTERM' TERM
@@ -103,6 +104,6 @@ while true; do  # a trapped signal interrupts wait: wait again until the trainin
 done
 if [[ -n "$NOTICE" ]]; then
   echo "training stopped after the $NOTICE notice (exit $code): requeueing job $SLURM_JOB_ID; it resumes from the checkpoint"
-  scontrol requeue "$SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID" || true  # already requeued where Slurm itself requeues a preempted job
 fi
 exit "$code"

@@ -82,7 +82,7 @@ def check_given_target(arts, target, target_path: str) -> None:
             continue
         try:
             want = artifacts.fingerprint(artifacts.frozen_target_for(art))
-        except (UserError, OSError) as exc:
+        except (UserError, OSError, ValueError) as exc:  # e.g. the recipe's folder is on another machine
             print(f"--target {target_path}: {art.name}'s own target cannot be read ({str(exc)[:120]}); not checked against it",
                   file=sys.stderr)
             continue

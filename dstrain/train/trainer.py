@@ -355,7 +355,8 @@ class Trainer:
                     monitor.log(self.step, metrics)
                     t_last, window = now, {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
                 stop = done = self.live_eval is not None and self.live_eval.should_stop()
-                preempted = preemption.agreed(self.group, self.device)  # one one-int all-reduce per step (drafters)
+                # one one-int all-reduce per step over the drafters; a notice at the last step changes nothing
+                preempted = preemption.agreed(self.group, self.device) and self.step < r.train.steps
                 if stop or preempted or self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
                     progress(self.step, "save")
                     self.save()
