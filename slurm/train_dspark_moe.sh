@@ -21,7 +21,7 @@
 # once (the last periodic checkpoint counts): give preemption a GraceTime and send_user_signal to save instead.
 # A rank that dies or gets stuck inside the job: dstrain's watchdog names it, every rank exits, and torchrun restarts
 # the node's workers from the latest good checkpoint, up to DSTRAIN_MAX_RESTARTS times (default 2) before the job fails.
-# Environment: DSTRAIN_NPROC_PER_NODE (default: GPUs on the node, else 1), DSTRAIN_PYTHON (default .venv/bin/python),
+# Environment: DSTRAIN_NPROC_PER_NODE (default: the job's GPUs on the node, else 1), DSTRAIN_PYTHON (default .venv/bin/python),
 # DSTRAIN_MASTER_PORT (default 29500 + JOBID % 20000), DSTRAIN_MAX_RESTARTS (default 2).
 #SBATCH --job-name=dstrain-dspark
 #SBATCH --nodes=2
@@ -39,7 +39,8 @@ REPO=${SLURM_SUBMIT_DIR:-$(pwd)}
 cd "$REPO"
 PY=${DSTRAIN_PYTHON:-$REPO/.venv/bin/python}
 if [[ -z "${DSTRAIN_NPROC_PER_NODE:-}" ]]; then
-  DSTRAIN_NPROC_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+  # the GPUs Slurm gave this job on the node (nvidia-smi may list the node's others too)
+  DSTRAIN_NPROC_PER_NODE=${SLURM_GPUS_ON_NODE:-$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)}
   [[ "$DSTRAIN_NPROC_PER_NODE" -ge 1 ]] || DSTRAIN_NPROC_PER_NODE=1
 fi
 NNODES=${SLURM_JOB_NUM_NODES:-1}
