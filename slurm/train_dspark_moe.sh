@@ -7,17 +7,26 @@
 # nodes x DSTRAIN_NPROC_PER_NODE. Ranks are numbered node by node and drafters come first, so the first
 # ceil(drafters / nproc) nodes run DeepSpeed drafter workers and the rest serve the megatron target; the
 # script prints which node does what before launching.
-# Logs: $DSTRAIN_LOG_DIR (default logs/slurm-JOBID)/node-N.log, one per node, plus this script's own output.
-# Preemption / time limit: the job is requeueable; 120 s before the limit Slurm sends USR1 and the script
-# requeues itself. A requeued (or preempted) job starts again and the trainer resumes from the last checkpoint
-# of runs/<run.name>/checkpoints — nothing to pass.
+# GPUs: 8 per node requested (the header's default); override at submission, e.g. `sbatch --gpus-per-node=4`, and
+# `sbatch --gpus-per-node=0` on a CPU-only cluster (Slurm refuses any GPU request where no gres is configured).
+# Logs: submit from the repository root: this script's own output goes to logs/%x-%j.out (logs/ is in the
+# repository, so it exists when Slurm opens the file, before the script runs); each node's training output to
+# $DSTRAIN_LOG_DIR (default logs/slurm-JOBID)/node-N.log.
+# Rendezvous: torchrun's c10d rendezvous on the first node, keyed by the job id.
+# Preemption / time limit: the job is requeueable. 120 s before the limit Slurm sends USR1 to this script (and on
+# preemption SIGTERM, or USR1 where the cluster sets PreemptParameters=send_user_signal); the script forwards USR1
+# to every training process, the drafters save a checkpoint at the next step boundary (all at the same step), every
+# process exits, and the script requeues the job. The requeued job resumes from that checkpoint, at the sample
+# where it stopped — nothing to pass. A SIGTERM that Slurm sends to the training processes themselves ends them at
+# once (the last periodic checkpoint counts): give preemption a GraceTime and send_user_signal to save instead.
 # A rank that dies or gets stuck inside the job: dstrain's watchdog names it, every rank exits, and torchrun restarts
 # the node's workers from the latest good checkpoint, up to DSTRAIN_MAX_RESTARTS times (default 2) before the job fails.
-# Environment: DSTRAIN_NPROC_PER_NODE (default: GPUs on the node, else 1), DSTRAIN_PYTHON (default .venv/bin/python),
+# Environment: DSTRAIN_NPROC_PER_NODE (default: the job's GPUs on the node, else 1), DSTRAIN_PYTHON (default .venv/bin/python),
 # DSTRAIN_MASTER_PORT (default 29500 + JOBID % 20000), DSTRAIN_MAX_RESTARTS (default 2).
 #SBATCH --job-name=dstrain-dspark
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --signal=B:USR1@120
@@ -30,7 +39,8 @@ REPO=${SLURM_SUBMIT_DIR:-$(pwd)}
 cd "$REPO"
 PY=${DSTRAIN_PYTHON:-$REPO/.venv/bin/python}
 if [[ -z "${DSTRAIN_NPROC_PER_NODE:-}" ]]; then
-  DSTRAIN_NPROC_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+  # the GPUs Slurm gave this job on the node (nvidia-smi may list the node's others too)
+  DSTRAIN_NPROC_PER_NODE=${SLURM_GPUS_ON_NODE:-$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)}
   [[ "$DSTRAIN_NPROC_PER_NODE" -ge 1 ]] || DSTRAIN_NPROC_PER_NODE=1
 fi
 NNODES=${SLURM_JOB_NUM_NODES:-1}
@@ -57,19 +67,44 @@ export MASTER_ADDR=${NODES[0]}
 export MASTER_PORT=${DSTRAIN_MASTER_PORT:-$(( 29500 + ${SLURM_JOB_ID:-0} % 20000 ))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export WANDB_MODE=${WANDB_MODE:-offline}
-echo "job ${SLURM_JOB_ID:-local} (restart ${SLURM_RESTART_COUNT:-0}): $WORLD ranks, rendezvous $MASTER_ADDR:$MASTER_PORT, logs $LOG_DIR"
+# A failed or hung NCCL collective raises instead of hanging, and dumps its flight record; Python prints every
+# thread's stack on a fatal signal. Each only where the user has not set it.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}  # the flight recorder that dump writes (torch 2.13 names)
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$LOG_DIR/nccl_trace_rank_}
+export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+echo "job ${SLURM_JOB_ID:-local} (restart ${SLURM_RESTART_COUNT:-0}): $WORLD ranks, rendezvous $MASTER_ADDR:$MASTER_PORT (c10d), logs $LOG_DIR"
 
-requeue() {
-  echo "time limit or preemption notice: requeueing job $SLURM_JOB_ID (training resumes from the last checkpoint)"
-  scontrol requeue "$SLURM_JOB_ID"
+NOTICE=
+notice() {  # Slurm's warning: every training process saves at its next step boundary, then the job is requeued
+  [[ -n "$NOTICE" ]] && return
+  NOTICE=$1
+  echo "$1: asking the training processes for a checkpoint (USR1 to job $SLURM_JOB_ID's steps)"
+  # in the background and bounded: a job Slurm is already ending refuses signals and scancel would retry for minutes
+  timeout 20 scancel --signal=USR1 "$SLURM_JOB_ID" >/dev/null 2>&1 &
 }
-trap requeue USR1
+trap 'notice USR1' USR1
+trap 'notice SIGTERM' TERM
 
 # One torchrun per node; --kill-on-bad-exit ends every node when one fails (dstrain's watchdog names the rank).
-# srun starts the command without a shell: bash -c reads each node's own SLURM_NODEID.
+# srun starts the command without a shell: bash -c reads each node's own SLURM_NODEID. USR1 reaches every process of
+# the step: torchrun (and, until the trainer installs its handler, each worker) ignores it rather than dying of it.
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$LOG_DIR/node-%n.log" \
-  bash -c 'py=$1; shift; exec "$py" -m torch.distributed.run --node-rank "$SLURM_NODEID" "$@"' _ "$PY" \
-  --nnodes "$NNODES" --nproc-per-node "$DSTRAIN_NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  bash -c 'trap "" USR1; py=$1; shift; exec "$py" -m torch.distributed.run --node-rank "$SLURM_NODEID" "$@"' _ "$PY" \
+  --nnodes "$NNODES" --nproc-per-node "$DSTRAIN_NPROC_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-local}" \
   --max-restarts "${DSTRAIN_MAX_RESTARTS:-2}" \
   -m dstrain train "$RECIPE" "$@" &
-wait $!
+TRAIN=$!
+code=0
+while true; do  # a trapped signal interrupts wait: wait again until the training step has ended
+  wait "$TRAIN" && code=0 || code=$?
+  kill -0 "$TRAIN" 2>/dev/null || break
+done
+if [[ -n "$NOTICE" ]]; then
+  echo "training stopped after the $NOTICE notice (exit $code): requeueing job $SLURM_JOB_ID; it resumes from the checkpoint"
+  scontrol requeue "$SLURM_JOB_ID" || true  # already requeued where Slurm itself requeues a preempted job
+fi
+exit "$code"

@@ -31,9 +31,12 @@ def disagg_args(shards, out, steps, *extra):
             "target.backend=megatron", "train.micro_batch_size=2", "run.stall_timeout_s=5", f"run.output_dir={out}", *extra]
 
 
-def launch(args, max_restarts=0, env=None):
+def launch(args, max_restarts=0, env=None, c10d=False):
+    """`c10d`: torchrun's c10d rendezvous, as slurm/train_dspark_moe.sh launches (else the static one)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+    rdzv = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "faults"] if c10d
+            else ["--master-port", str(free_port())])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", *rdzv,
            "--max-restarts", str(max_restarts), *map(str, args)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -205,7 +208,9 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(shards, tmp_path)
 def test_torchrun_max_restarts_resumes_by_itself_and_equals_an_uninterrupted_run(shards, tmp_path):
     """SIGKILL a target rank between checkpoints with `torchrun --max-restarts 1`: the watchers name it and exit,
     torchrun restarts the group, every rank resumes from the latest good checkpoint (step 10) and the job
-    completes; the losses of steps 11-20 equal an uninterrupted run's exactly (fp32, CPU)."""
+    completes; the losses of steps 11-20 equal an uninterrupted run's exactly (fp32, CPU). The restarted launch uses
+    the c10d rendezvous the Slurm script uses (each attempt a new round on the shared store), the reference the
+    static one."""
     extra = ["train.checkpoint_every=10"]
     ref = launch(disagg_args(shards, tmp_path / "ref", 20, *extra))
     _, err = ref.communicate(timeout=300)
@@ -213,7 +218,7 @@ def test_torchrun_max_restarts_resumes_by_itself_and_equals_an_uninterrupted_run
     reference = metrics(tmp_path / "ref" / "tiny-moe-dspark")
     assert sorted(reference) == list(range(1, 21))
 
-    proc = launch(disagg_args(shards, tmp_path / "faulty", 20, *extra), max_restarts=1)
+    proc = launch(disagg_args(shards, tmp_path / "faulty", 20, *extra), max_restarts=1, c10d=True)
     run = tmp_path / "faulty" / "tiny-moe-dspark"
     try:
         wait_for_step(proc, run, 12)
@@ -372,3 +377,21 @@ def test_chaos_run_survives_a_kill_a_stop_and_a_corrupted_checkpoint(tmp_path):
     copies = [line for line in proc.stdout.splitlines() if "streamed step copies over" in line][0]
     said, want = copies.split("resumed from steps ")[1].split(" (expected ")
     assert said == want.rstrip(")") and said != "[0, 0, 0]", copies
+
+
+def test_preemption_notice_only_sets_a_flag_that_the_step_boundary_reads():
+    """USR1 (Slurm's notice, runtime/preemption.py) must not end the process: the handler sets a flag and
+    agreed() reads it at the next step boundary (one process: no collective). Mutation caught: no handler
+    installed (USR1's default action kills this test process)."""
+    from dstrain.runtime import preemption
+
+    before = signal.getsignal(preemption.NOTICE)
+    try:
+        preemption.install()
+        assert not preemption.requested() and not preemption.agreed()
+        os.kill(os.getpid(), preemption.NOTICE)
+        time.sleep(0.05)  # Python runs the handler at the main thread's next bytecode
+        assert preemption.requested() and preemption.agreed()
+    finally:
+        signal.signal(preemption.NOTICE, before)
+        preemption._REQUESTED["flag"] = False

@@ -5,7 +5,9 @@ alone. Lossless standard rejection sampling at --temperature (0 = greedy).
   dstrain eval --drafter dspark=runs/smollm2-moe-dspark --drafter dflash=exports/dflash --limit 20
   dstrain eval --drafter runs/x --prompts my_traffic.jsonl      # {"id","domain","turns":[...]} per line
 
-Drafters are training run folders or exported folders (dstrain export); all must belong to one target.
+Drafters are training run folders or exported folders (dstrain export); all must belong to one target. The target
+loads through transformers: the one the drafter's recipe names (a megatron-backend recipe's checkpoint folder is a
+transformers folder), or --target FOLDER.
 Writes results.json, results.md, acceptance.png and rollouts.pt (what dstrain calibrate reads) to --out.
 """
 
@@ -21,6 +23,8 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", action="append", required=True, metavar="[NAME=]PATH", help="repeat to compare drafters")
     ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
+    ap.add_argument("--target", metavar="FOLDER", help="the target's Hugging Face folder (default: the one the drafter's recipe "
+                                                        "names; its fingerprint must match the drafter's)")
     ap.add_argument("--prompts", help="JSONL of prompts (default: the packaged GSM8K / HumanEval / MT-Bench sets)")
     ap.add_argument("--domains", default="math,code,chat", help="benchmark domains (default %(default)s)")
     ap.add_argument("--limit", type=int, default=20, help="prompts per domain (default %(default)s)")
@@ -38,7 +42,7 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     return ap
 
 
-def load_candidates(specs: list[str], recipe: str | None, gamma: int | None, device: str = "cpu"):
+def load_candidates(specs: list[str], recipe: str | None, gamma: int | None, device: str = "cpu", target_path: str | None = None):
     from dstrain.errors import UserError
     from dstrain.decoding import artifacts
     from dstrain.decoding.evaluation import Candidate
@@ -49,7 +53,9 @@ def load_candidates(specs: list[str], recipe: str | None, gamma: int | None, dev
         arts.append(artifacts.read_artifact(path, name or None, recipe))
     from dstrain.targets.hf import HFTarget
 
-    target = artifacts.load_target_for(arts[0])
+    target = artifacts.load_target_for(arts[0], target_path)
+    if target_path is not None:
+        check_given_target(arts, target, target_path)
     target.model.to(device)  # the decoder runs where the target's weights are
     cands = []
     for art in arts:
@@ -62,6 +68,27 @@ def load_candidates(specs: list[str], recipe: str | None, gamma: int | None, dev
         cands.append(Candidate(art.name, drafter, gamma or block, art.drafter_cfg.get("sliding_window"), art.steps,
                                art.temperatures, own if own is not target else None))
     return target, cands, arts[0].target_cfg
+
+
+def check_given_target(arts, target, target_path: str) -> None:
+    """--target FOLDER against what each drafter was trained with: exports carry the fingerprint of the target's
+    embedding and LM head (checked in artifacts.build); for run folders it is read from the recipe's own target."""
+    from dstrain.decoding import artifacts
+    from dstrain.errors import UserError
+
+    have = artifacts.fingerprint(target)
+    for art in arts:
+        if art.fingerprint is not None:
+            continue
+        try:
+            want = artifacts.fingerprint(artifacts.frozen_target_for(art))
+        except (UserError, OSError, ValueError) as exc:  # e.g. the recipe's folder is on another machine
+            print(f"--target {target_path}: {art.name}'s own target cannot be read ({str(exc)[:120]}); not checked against it",
+                  file=sys.stderr)
+            continue
+        if want != have:
+            raise UserError(f"--target {target_path}: fingerprint {have}, but {art.name} was trained against {want}; give the "
+                            "folder of the target it was trained with")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
         from dstrain.errors import UserError
 
         raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device; run with --device cpu")
-    target, cands, target_cfg = load_candidates(args.drafter, args.recipe, args.gamma, args.device)
+    target, cands, target_cfg = load_candidates(args.drafter, args.recipe, args.gamma, args.device, args.target)
+    if args.target and any((Path(args.target) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        target_cfg = {**target_cfg, "source": "path", "path": args.target}  # its own tokenizer (else the recipe's)
     tokenizer = P.load_tokenizer(target_cfg)
     if args.prompts:
         records, report = P.prompt_file(args.prompts, args.limit)

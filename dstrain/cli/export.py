@@ -9,7 +9,8 @@ is refused in one line before any weights load.
   dstrain export runs/smollm2-moe-dspark exports/smollm2-moe-dspark
 
 dstrain eval and dstrain calibrate load the folder without the training recipe; loading it against
-another target is a one-line error.
+another target is a one-line error. Of the target, export reads its config and the two tensors a drafter is bound to
+(embedding and LM head, straight from its safetensors), whatever backend trained the drafter.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
 
     art = artifacts.read_artifact(args.run, None, args.recipe)
     loads_in = artifacts.check_export(art, args.format, args.engine)
-    target = artifacts.load_target_for(art)
+    target = artifacts.frozen_target_for(art)  # embedding and LM head only: never the target's layers
     out = artifacts.export(art, target, Path(args.out), args.format, args.engine)
     params = sum(v.numel() for v in art.state.values())
     sts = "STS temperatures " + ", ".join(f"{t:.2f}" for t in art.temperatures) if art.temperatures else "not calibrated yet"
     print(f"exported {art.drafter_cfg['type']} drafter ({params / 1e6:.2f}M weights, step {art.steps}) for {target.name} "
-          f"[fingerprint {artifacts.fingerprint(target)}], {sts} -> {out} ({args.format} format; {loads_in})")
+          f"[fingerprint {artifacts.fingerprint(target)}; {target.bytes_read / 2**20:.1f} MiB of the target read: embedding"
+          f" and LM head], {sts} -> {out} ({args.format} format; {loads_in})")
     return 0

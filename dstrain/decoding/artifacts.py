@@ -198,11 +198,34 @@ def run_artifact(folder: Path, recipe_tree: dict, tag: str, name: str) -> Drafte
                            recipe_tree.get("run", {}).get("seed", 0))
 
 
-def load_target_for(artifact: DrafterArtifact):
+def load_target_for(artifact: DrafterArtifact, target_path: str | Path | None = None):
+    """The target a drafter decodes against, through transformers: `target_path` (an hf folder) when given, else the
+    one its recipe names. A megatron-backend recipe's target is its checkpoint folder — a transformers folder, the one
+    its megatron ranks read (written once for a random test target) — loaded whole on one process."""
     from dstrain.recipe import TargetConfig
-    from dstrain.targets import load_target
+    from dstrain.targets import checkpoint_folder, load_target
 
-    return load_target(TargetConfig(**artifact.target_cfg), seed=artifact.target_seed)
+    cfg = TargetConfig(**artifact.target_cfg)
+    if target_path is not None and not Path(target_path).is_dir():
+        raise UserError(f"--target {target_path}: not a folder; give the target's Hugging Face folder")
+    if target_path is not None or cfg.backend != "hf":
+        path = str(target_path) if target_path is not None else checkpoint_folder(cfg, artifact.target_seed)
+        cfg = cfg.model_copy(update={"backend": "hf", "source": "path", "path": path})
+    return load_target(cfg, seed=artifact.target_seed)
+
+
+def frozen_target_for(artifact: DrafterArtifact):
+    """What binds a drafter to its target — config, embedding, LM head, capture layers — read from the target's
+    checkpoint alone (targets/frozen.py: those tensors and nothing else), whatever backend trained it."""
+    from dstrain.recipe import TargetConfig
+    from dstrain.targets.frozen import load_frozen_parts
+
+    return load_frozen_parts(TargetConfig(**artifact.target_cfg), artifact.target_seed)
+
+
+def _config(target):
+    """A loaded target's model config (HFTarget) or a frozen-parts one's (FrozenParts)."""
+    return target.config if hasattr(target, "config") else target.model.config
 
 
 def build(artifact: DrafterArtifact, target):
@@ -218,7 +241,7 @@ def build(artifact: DrafterArtifact, target):
     if wanted is not None and list(wanted) != list(target.capture_layers):
         raise UserError(f"{artifact.source}: trained on capture layers {wanted}, the target captures {target.capture_layers}")
     cfg = DrafterConfig(**artifact.drafter_cfg)
-    drafter = build_drafter(cfg, spec_from_config(target.model.config, len(target.capture_layers)), target.embedding)
+    drafter = build_drafter(cfg, spec_from_config(_config(target), len(target.capture_layers)), target.embedding)
     missing, unexpected = drafter.load_state_dict(artifact.state, strict=False)
     if missing or unexpected:
         raise UserError(f"{artifact.source}: weights do not fit a {cfg.type} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")
@@ -250,7 +273,7 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain", e
 
     check_export(artifact, fmt, engine)
     drafter = build(artifact, target)
-    spec = spec_from_config(target.model.config, len(target.capture_layers))
+    spec = spec_from_config(_config(target), len(target.capture_layers))
     binding = {"target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)}, "target_name": target.name,
                "target_fingerprint": fingerprint(target), "target_seed": artifact.target_seed, "trained_steps": artifact.steps}
     if fmt != "dstrain":
@@ -260,7 +283,7 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain", e
         # name_or_path: the target's folder when it has one (engines load it by that name); none for built targets
         # (random, upcycled), whose binding is our fingerprint in the dstrain section
         verifier = {"name_or_path": artifact.target_cfg.get("path"),
-                    "architectures": list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])}
+                    "architectures": list(getattr(_config(target), "architectures", None) or [type(getattr(target, "model", target)).__name__])}
         dcfg = DrafterConfig(**artifact.drafter_cfg)
         if fmt == "speculators":
             config, tensors = formats.to_speculators(drafter, dcfg, spec, list(target.capture_layers), verifier, target.num_layers)

@@ -124,7 +124,7 @@ def start_watchdog(world, run_dir=None, stall_floor_s: float = 30.0, stall_facto
     describe = world.layout.describe if world.layout else (lambda r: f"rank {r}")
     progress = Progress(stall_floor_s, stall_factor, warmup)
     _STATE.update(store=store, rank=world.rank, describe=describe, progress=progress, host=_host_id(),
-                  timeout=max(stall_floor_s, warmup))
+                  timeout=max(stall_floor_s, warmup), serves_target=world.role == "target")
     store.set(f"host/{world.rank}", json.dumps({"host": _STATE["host"], "pid": os.getpid()}))
     if run_dir is not None:  # lets operators (and the failure tests) find each rank's process
         pids = run_dir / "pids"
@@ -170,6 +170,7 @@ def record_failure(message: str) -> None:
 
 
 COLLATERAL = ("stopped by signal", "lost a peer")
+PREEMPTED = "preempted"
 
 
 def on_comm_error(exc: BaseException) -> None:
@@ -179,6 +180,20 @@ def on_comm_error(exc: BaseException) -> None:
         return
     record_failure(f"lost a peer ({str(exc).splitlines()[0][:200]})")
     time.sleep(_STATE["timeout"] + 5)  # the watcher thread os._exit()s with the named culprit before this ends
+
+
+def announce_preempted(step: int) -> None:
+    """The drafters saved step `step` for a preemption (runtime/preemption.py): target ranks stop on it."""
+    if _STATE:
+        _STATE["store"].set(PREEMPTED, str(step))
+
+
+def _leave_preempted(store) -> None:
+    """A target rank, once the drafters saved for a preemption: done (so no watcher names it), then exit 0."""
+    step = store.get(PREEMPTED).decode()
+    store.set(f"done/{_STATE['rank']}", "1")
+    _say(f"{_STATE['describe'](_STATE['rank'])}: the drafters saved step {step} for a preemption; stopping")
+    os._exit(0)
 
 
 def mark_done() -> None:
@@ -228,6 +243,8 @@ def _watch(rank: int, size: int, describe) -> None:
             store.add(f"hb/{rank}", 1)
             store.set(f"progress/{rank}", json.dumps(me.snapshot()))
             verdict = store.get("abort").decode() if store.check(["abort"]) else ""
+            if not verdict and _STATE["serves_target"] and store.check([PREEMPTED]):
+                _leave_preempted(store)
             now = time.monotonic()
             culprits, stuck, failed, signalled, to_kill = [], [], [], [], []
             silent_any = 0.0

@@ -28,14 +28,20 @@ class FrozenParts:
     embedding: nn.Embedding
     lm_head: nn.Linear
     capture_layers: list[int]
+    name: str = ""
+    bytes_read: int = 0  # what left the disk to build these parts (CheckpointReader's count; 0 when from a target)
 
     @property
     def num_capture(self) -> int:
         return len(self.capture_layers)
 
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
 
 def from_target(target) -> FrozenParts:
-    return FrozenParts(target.model.config, target.embedding, target.lm_head, list(target.capture_layers))
+    return FrozenParts(target.model.config, target.embedding, target.lm_head, list(target.capture_layers), target.name)
 
 
 def _read(reader, keys: tuple[str, ...], shape: tuple[int, int]) -> torch.Tensor | None:
@@ -61,8 +67,9 @@ def load_frozen_parts(target_cfg, seed: int) -> FrozenParts:
         if embed is None:
             raise UserError(f"target.path {folder}: no embedding tensor ({' / '.join(EMBED_KEYS)}) in its safetensors")
         head = None if getattr(config, "tie_word_embeddings", False) else _read(reader, HEAD_KEYS, shape)
+        read = reader.bytes_read
     embedding = nn.Embedding.from_pretrained(embed, freeze=True)
     lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, dtype=dtype).requires_grad_(False)
     lm_head.weight = embedding.weight if head is None else nn.Parameter(head, requires_grad=False)
     layers = resolve_capture_layers(target_cfg.name, config.num_hidden_layers, target_cfg.capture_layers, target_cfg.num_capture)
-    return FrozenParts(config, embedding, lm_head, layers)
+    return FrozenParts(config, embedding, lm_head, layers, target_cfg.name, read)

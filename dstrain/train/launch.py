@@ -14,7 +14,9 @@ def train(recipe) -> int:
     from dstrain.train.trainer import Trainer
     from dstrain.runtime.watchdog import mark_done, start_watchdog
     from dstrain.runtime.world import init_world
+    from dstrain.runtime import preemption
 
+    preemption.install()  # before anything slow: a preemption notice now is acted on at the first step boundary
     t = recipe.world.target
     if recipe.world.mode == "disaggregated" and recipe.target.backend == "hf" and (t.tp, t.pp, t.ep) != (1, 1, 1):
         from dstrain.errors import UserError

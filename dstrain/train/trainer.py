@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dstrain.models.contract import spec_from_config
 from dstrain.models.registry import build_drafter
 from dstrain.monitor import Monitor, peak_memory_mb
+from dstrain.runtime import preemption
 from dstrain.runtime.watchdog import progress
 from dstrain.train import checkpoint
 from dstrain.train.losses import position_weights
@@ -109,6 +110,7 @@ class Trainer:
         self.drafter = drafter
         self.clock = self._step_clock(recipe, frozen, drafter)
         self.step = 0
+        self.preempted_at = None  # the step saved for a preemption notice (runtime/preemption.py)
         self.live_eval = None
         if recipe.eval.every:
             from dstrain.train.live_eval import LiveEval
@@ -353,16 +355,25 @@ class Trainer:
                     monitor.log(self.step, metrics)
                     t_last, window = now, {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
                 stop = done = self.live_eval is not None and self.live_eval.should_stop()
-                if stop or self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
+                # one one-int all-reduce per step over the drafters; a notice at the last step changes nothing
+                preempted = preemption.agreed(self.group, self.device) and self.step < r.train.steps
+                if stop or preempted or self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
                     progress(self.step, "save")
                     self.save()
+                if preempted:
+                    self.preempted_at = self.step
+                    preemption.release_targets(self.step, self.is_main, self.group)
+                    if self.is_main:
+                        print(f"dstrain: preemption notice: checkpoint step-{self.step} written; the requeued job resumes"
+                              " from it", file=sys.stderr, flush=True)
+                    break
                 if stop:
                     if self.is_main:
                         print(f"eval: no gain over {self.live_eval.best['tau']:.3f} (step {self.live_eval.best['step']}) "
                               f"in {r.eval.patience} evaluations: stopped at step {self.step} of {r.train.steps}", flush=True)
         finally:
             monitor.close()
-        summary = {"steps": self.step, "resumed_from": self.resumed_from, "wandb_mode": monitor.wandb_mode, "first": None, "last": None}
+        summary = {"steps": self.step, "resumed_from": self.resumed_from, "preempted_at": self.preempted_at, "wandb_mode": monitor.wandb_mode, "first": None, "last": None}
         if self.live_eval is not None:
             summary["eval"] = self.live_eval.summary()
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start
