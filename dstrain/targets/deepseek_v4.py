@@ -12,7 +12,8 @@ wq_a (its latent also feeds the indexer), the single K=V head (wkv + norm: every
 compressors (one latent each), the indexer (its top-k is a sum over its heads: split, every rank would need an
 all-reduce of a [T × T/m] score matrix per layer, and near-equal scores could round to different picks), the
 mHC mixers, hc head, norms and routers (tiny). Expert: routed experts split whole over expert ranks. Pipeline:
-layers split evenly or by world.target.pipeline_layers; a stage sends all n mHC streams ([T, B, n·d]) and every stage holds the hc head.
+layers split evenly or by world.target.pipeline_layers (V4Model builds any table); a stage sends all n mHC
+streams ([T, B, n·d]) and every stage holds the hc head. MoE at tp > 1 runs sequence parallel (see v4_model.py).
 """
 
 from __future__ import annotations
