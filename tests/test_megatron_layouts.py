@@ -142,6 +142,25 @@ def test_patch_torch_norm_sequence_parallel(monkeypatch):
     assert not hasattr(WrappedTorchNorm(plain, 8).weight, "sequence_parallel")  # without SP: megatron's own path
 
 
+def test_norm_patch_applies_only_where_megatron_falls_back_to_torch_norms(monkeypatch):
+    """Keyed on what is installed: with Apex's or TE's norm in both slots nothing is patched; with the torch fallback
+    in either, the patch applies."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from dstrain.targets import mcore_patches
+
+    monkeypatch.setattr(WrappedTorchNorm, "__new__", WrappedTorchNorm.__new__)  # restored after the test
+    monkeypatch.setattr(mcore_patches, "SEQUENCE_PARALLEL_APPLIED", [])
+    other = type("FusedNorm", (), {})
+    monkeypatch.setattr(gpt_layer_specs, "LNImpl", other)
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", other)
+    assert mcore_patches.apply_for_sequence_parallel() == []
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", WrappedTorchNorm)  # TE's block norm absent, say
+    assert mcore_patches.apply_for_sequence_parallel() == ["torch_norm_sequence_parallel"]
+
+
 # ---- parity with transformers ------------------------------------------------------------------------------
 
 STAGES = {"tp2_ep2_sp": {"qwen3_moe": [5] * 4, "deepseek_v3": [5] * 4, "deepseek_v4": [5] * 4},

@@ -154,8 +154,10 @@ def apply_for_sequence_parallel() -> list[str]:
     """What a sequence-parallel model needs, applied only where megatron's norms are its torch fallback (neither
     TransformerEngine nor Apex imports); returns the names applied."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if gpt_layer_specs.LNImpl is not WrappedTorchNorm:
+    # the layer specs' norm and the block's final norm are chosen apart (Apex / TE / torch)
+    if WrappedTorchNorm not in (gpt_layer_specs.LNImpl, transformer_block.LayerNormImpl):
         return SEQUENCE_PARALLEL_APPLIED
     return apply_pinned(SEQUENCE_PARALLEL_PATCHES, SEQUENCE_PARALLEL_APPLIED, "dstrain's sequence-parallel patches")
