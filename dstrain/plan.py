@@ -41,8 +41,9 @@ def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
         raise UserError(f"world.target.ep={t.ep} but the target is dense (no experts): set ep=1")
     if sizes.num_heads % t.tp:
         raise UserError(f"world.target.tp={t.tp} does not divide the target's {sizes.num_heads} attention heads")
-    if sizes.num_layers % t.pp:
-        raise UserError(f"world.target.pp={t.pp} does not divide the target's {sizes.num_layers} layers")
+    from dstrain.targets.shard_plan import check_stages
+
+    check_stages(sizes.num_layers, t.pp, t.pipeline_layers, free_middle=True)  # a megatron family's adapter is stricter
 
 
 def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: int,
@@ -105,9 +106,10 @@ def build_plan(recipe: Recipe) -> Plan:
         from dstrain.targets.shard_plan import RankCoords
 
         t, adapter = recipe.world.target, adapter_for(cfg)
-        adapter.check_layout(cfg, t.tp, t.pp, t.ep)
+        adapter.check_layout(cfg, t.tp, t.pp, t.ep, t.pipeline_layers)
+        table = tuple(t.pipeline_layers) if t.pipeline_layers else None
         # tensor/expert rank 0 of each stage: the other ranks of a stage own slices of the same sizes
-        stage_plans = [adapter.rank_plan(cfg, RankCoords(t.tp, 0, t.ep, 0, t.pp, stage, cfg.num_hidden_layers))
+        stage_plans = [adapter.rank_plan(cfg, RankCoords(t.tp, 0, t.ep, 0, t.pp, stage, cfg.num_hidden_layers, table))
                        for stage in range(t.pp)]
         held = max(sum(p.numel for p in plan) for plan in stage_plans)
         load = load_estimate(recipe, stage_plans)

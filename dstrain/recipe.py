@@ -51,10 +51,20 @@ class TargetParallel(Section):
     pp: int = Field(1, ge=1, description="pipeline-parallel size")
     ep: int = Field(1, ge=1, description="expert-parallel size (carved out of tp*dp)")
     dp: int = Field(1, ge=1, description="data-parallel target replicas")
+    pipeline_layers: list[int] | None = Field(None, description="decoder layers per pipeline stage, one entry per stage"
+                                              " (pp entries summing to the target's layers, e.g. [21, 22] for 43 layers"
+                                              " at pp=2); null = equal stages")
 
     @property
     def ranks(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> "TargetParallel":
+        table = self.pipeline_layers
+        if table is not None and (len(table) != self.pp or min(table) < 1):
+            raise ValueError(f"pipeline_layers={table} needs pp={self.pp} entries, each at least 1 (one per pipeline stage)")
+        return self
 
 
 class WorldConfig(Section):

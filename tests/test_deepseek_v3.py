@@ -201,7 +201,7 @@ def test_yarn_scales_match_transformers(yarn):
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), (1, 1, 1), "rope_type='linear'"),
     (dict(rope_parameters={**PUBLISHED_YARN, "truncate": False}), (1, 1, 1), "truncate=false"),
     ({}, (3, 1, 1), "world.target.tp=3 must divide the target's num_attention_heads"),
-    ({}, (1, 3, 1), "world.target.pp=3 must divide the target's 4 layers"),
+    ({}, (1, 3, 1), "world.target.pp=3 does not divide the target's 4 layers: set world.target.pipeline_layers"),
     ({}, (1, 1, 3), "world.target.ep=3 must divide the target's 8 routed experts"),
 ])
 def test_check_layout_refuses_in_one_line(over, layout, match):

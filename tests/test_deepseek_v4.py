@@ -78,7 +78,7 @@ def v4_config(**over):
 @pytest.mark.parametrize("over,layout,match", [
     ({}, (4, 1, 1), "tp=4 must divide the target's o_groups"),
     ({"num_key_value_heads": 2}, (1, 1, 1), "num_key_value_heads=2"),
-    ({}, (1, 3, 1), "pp=3 must divide"),
+    ({}, (1, 3, 1), "pp=3 does not divide the target.s 4 layers: set world.target.pipeline_layers"),
     ({}, (1, 1, 3), "ep=3 must divide"),
     ({"scoring_func": "softmax"}, (1, 1, 1), "scoring_func='softmax'"),
 ])

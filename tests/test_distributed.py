@@ -54,15 +54,16 @@ DISAGG = ["world.mode=disaggregated", "world.target.tp=2", "world.drafter_ranks=
 def runs(shards, tmp_path_factory):
     """One colocated single-process run, then one 4-rank launch: 2 drafters fed by a TP=2 megatron target,
     at ZeRO 0/1/2/3 (fp32), a ZeRO-2 bf16 run checkpointing every 3 steps (resume reference), and 2 drafters
-    fed by a PP=2 target (captured layers arrive from both stages)."""
+    fed by a PP=2 target split unevenly, layers [1, 3] (captured layers 0 | 1, 2 arrive from both stages)."""
     out = tmp_path_factory.mktemp("runs")
     run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", *common(shards), "train.micro_batch_size=4",
              f"run.output_dir={out / 'colocated'}")
     plans = [common(shards) + DISAGG + [f"deepspeed.zero_stage={z}", f"run.output_dir={out / f'zero{z}'}"] for z in range(4)]
     # before ZeRO-3: its engine swaps torch's linear for its own autograd function process-wide, which changes
     # bf16 rounding in later runs of the same process (a fresh process, as the resumed run is, has the original)
-    plans.append(common(shards) + ["world.mode=disaggregated", "world.target.pp=2", "world.drafter_ranks=2",
-                                   "target.backend=megatron", "train.micro_batch_size=2", f"run.output_dir={out / 'pp2'}"])
+    plans.append(common(shards) + ["world.mode=disaggregated", "world.target.pp=2", "world.target.pipeline_layers=[1,3]",
+                                   "world.drafter_ranks=2", "target.backend=megatron", "train.micro_batch_size=2",
+                                   f"run.output_dir={out / 'pp2'}"])
     plans.insert(3, common(shards, steps=6) + DISAGG + ["deepspeed.zero_stage=2", "deepspeed.precision=bf16",
                                                         "train.checkpoint_every=3", f"run.output_dir={out / 'bf16'}"])
     torchrun(4, "tests/dist/run_recipes.py", "recipes/tiny_moe.yaml", json.dumps(plans), timeout=600)

@@ -16,8 +16,7 @@ from dstrain.runtime.watchdog import progress
 from dstrain.train.step import pack_step, padded_batch
 
 
-def stage_of_layer(num_layers: int, pp: int, layer: int) -> int:
-    return layer // (num_layers // pp)
+from dstrain.targets.shard_plan import stage_of_layer  # noqa: F401  (the channel's senders and receivers agree on it)
 
 
 def load_role_target(recipe, world):
@@ -25,7 +24,8 @@ def load_role_target(recipe, world):
     if recipe.target.backend == "megatron":
         from dstrain.targets.megatron import load_megatron_target
 
-        return load_megatron_target(recipe.target, world.target_groups, recipe.run.seed, world.device)
+        return load_megatron_target(recipe.target, world.target_groups, recipe.run.seed, world.device,
+                                    recipe.world.target.pipeline_layers)
     from dstrain.train.launch import colocated_target
 
     return colocated_target(recipe, world.device)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dstrain.errors import UserError
-from dstrain.targets.shard_plan import Param, RankCoords, Read, cat0, full, rows
+from dstrain.targets.shard_plan import Param, RankCoords, Read, cat0, check_stages, full, megatron_stage_kwargs, rows
 
 MODEL_TYPE = "deepseek_v3"
 HF_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with this eps whatever rms_norm_eps says
@@ -81,7 +81,7 @@ def _group_limited(cfg) -> bool:
 class DeepseekV3Adapter:
     """FamilyAdapter (shard_plan.py) for model_type deepseek_v3."""
 
-    def check_layout(self, cfg, tp: int, pp: int, ep: int) -> None:
+    def check_layout(self, cfg, tp: int, pp: int, ep: int, pipeline_layers=None) -> None:
         def no(what: str) -> UserError:
             return UserError(f"target.backend=megatron: DeepSeek-V3 with {what} is not expressible in megatron-core; "
                              "use target.backend=hf")
@@ -109,12 +109,13 @@ class DeepseekV3Adapter:
                         ("moe_intermediate_size × n_shared_experts", cfg.moe_intermediate_size * (cfg.n_shared_experts or 1))):
             if n % tp:
                 raise UserError(f"world.target.tp={tp} must divide the target's {what} ({n})")
-        if cfg.num_hidden_layers % pp:
-            raise UserError(f"world.target.pp={pp} must divide the target's {cfg.num_hidden_layers} layers")
+        check_stages(cfg.num_hidden_layers, pp, pipeline_layers)
         if E % ep:
             raise UserError(f"world.target.ep={ep} must divide the target's {E} routed experts")
 
-    def transformer_config(self, cfg, tp: int, pp: int, ep: int, dtype: torch.dtype):
+    def transformer_config(self, cfg, tp: int, pp: int, ep: int, dtype: torch.dtype, pipeline_layers=None):
+        """Sequence parallel at tp > 1 (each tensor rank routes its 1/tp of the tokens; MLA's replicated down-projections
+        run on the local tokens and megatron gathers the latents before the column-parallel up-projections)."""
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         rope = _rope(cfg)
@@ -138,8 +139,9 @@ class DeepseekV3Adapter:
             moe_router_dtype="fp32", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
             expert_tensor_parallel_size=1, moe_token_dispatcher_type="alltoall",
             hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            expert_model_parallel_size=ep, sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype,
-            bf16=dtype == torch.bfloat16, use_cpu_initialization=True, perform_initialization=False, variable_seq_lengths=True)
+            expert_model_parallel_size=ep, sequence_parallel=tp > 1, params_dtype=dtype, pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16, use_cpu_initialization=True, perform_initialization=False, variable_seq_lengths=True,
+            **megatron_stage_kwargs(pp, pipeline_layers))
 
     def layer_spec(self, tcfg, cfg):
         """One spec for every stage: megatron's local dense / MoE MLA layer specs, picked per global layer.

@@ -12,7 +12,8 @@ wq_a (its latent also feeds the indexer), the single K=V head (wkv + norm: every
 compressors (one latent each), the indexer (its top-k is a sum over its heads: split, every rank would need an
 all-reduce of a [T × T/m] score matrix per layer, and near-equal scores could round to different picks), the
 mHC mixers, hc head, norms and routers (tiny). Expert: routed experts split whole over expert ranks. Pipeline:
-layers split evenly; a stage sends all n mHC streams ([T, B, n·d]) and every stage holds the hc head.
+layers split evenly or by world.target.pipeline_layers (V4Model builds any table); a stage sends all n mHC
+streams ([T, B, n·d]) and every stage holds the hc head. MoE at tp > 1 runs sequence parallel (see v4_model.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dstrain.errors import UserError
-from dstrain.targets.shard_plan import Param, RankCoords, cat0, full, rows
+from dstrain.targets.shard_plan import Param, RankCoords, cat0, check_stages, full, rows
 
 MODEL_TYPE = "deepseek_v4"
 
@@ -64,7 +65,7 @@ class DeepseekV4Adapter:
     """FamilyAdapter (shard_plan.py) for model_type deepseek_v4, plus `build_model` (MegatronTarget's hook for a
     family whose model is not a GPTModel)."""
 
-    def check_layout(self, cfg, tp: int, pp: int, ep: int) -> None:
+    def check_layout(self, cfg, tp: int, pp: int, ep: int, pipeline_layers=None) -> None:
         def no(what: str) -> UserError:
             return UserError(f"target.backend=megatron: DeepSeek-V4 with {what} is not built; use target.backend=hf")
 
@@ -86,12 +87,13 @@ class DeepseekV4Adapter:
                         ("moe_intermediate_size (the shared expert's width)", cfg.moe_intermediate_size)):
             if n % tp:
                 raise UserError(f"world.target.tp={tp} must divide the target's {what} ({n})")
-        if cfg.num_hidden_layers % pp:
-            raise UserError(f"world.target.pp={pp} must divide the target's {cfg.num_hidden_layers} layers")
+        check_stages(cfg.num_hidden_layers, pp, pipeline_layers, free_middle=True)  # V4Model builds its own stages
         if cfg.n_routed_experts % ep:
             raise UserError(f"world.target.ep={ep} must divide the target's {cfg.n_routed_experts} routed experts")
 
-    def transformer_config(self, cfg, tp: int, pp: int, ep: int, dtype: torch.dtype):
+    def transformer_config(self, cfg, tp: int, pp: int, ep: int, dtype: torch.dtype, pipeline_layers=None):
+        """Sequence parallel at tp > 1: each tensor rank routes its 1/tp of the tokens (V4Attention gathers the
+        sequence it needs). The stage table is V4Model's own (build_model), not megatron's."""
         from megatron.core.transformer import TransformerConfig
 
         F_ = cfg.moe_intermediate_size
@@ -105,7 +107,7 @@ class DeepseekV4Adapter:
             moe_router_load_balancing_type="none", expert_tensor_parallel_size=1, moe_token_dispatcher_type="alltoall",
             moe_shared_expert_intermediate_size=F_,  # transformers' V4 always has one, whatever n_shared_experts says
             hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            expert_model_parallel_size=ep, sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype,
+            expert_model_parallel_size=ep, sequence_parallel=tp > 1, params_dtype=dtype, pipeline_dtype=dtype,
             bf16=dtype == torch.bfloat16, use_cpu_initialization=True, perform_initialization=False,
             variable_seq_lengths=True)
 
@@ -136,11 +138,10 @@ class DeepseekV4Adapter:
     def gpt_kwargs(self, cfg) -> dict:
         return {}
 
-    def build_model(self, tcfg, cfg, pre_process: bool, post_process: bool, pg_collection):
+    def build_model(self, tcfg, cfg, coords: RankCoords, pg_collection):
         from dstrain.targets.v4_model import V4Model
 
-        return V4Model(tcfg, self.layer_spec(tcfg, cfg), dims_of(cfg), rope_of(cfg), pre_process, post_process,
-                       pg_collection)
+        return V4Model(tcfg, self.layer_spec(tcfg, cfg), dims_of(cfg), rope_of(cfg), coords, pg_collection)
 
     def rank_plan(self, cfg, at: RankCoords) -> list[Param]:
         return rank_plan(cfg, at)

@@ -114,6 +114,40 @@ def has_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def _torch_norm_sequence_parallel() -> None:
+    """Without TransformerEngine or Apex, megatron's norms are `WrappedTorchNorm`, which asserts
+    `not config.sequence_parallel` ("sequence parallel not supported by torch LayerNorm"), so no MoE model at tp > 1
+    can run sequence parallel there. A norm is per token: on a sequence shard it computes exactly what it computes on
+    the whole sequence. What TENorm / FusedLayerNorm add under sequence parallelism is a mark on their weights
+    (`param.sequence_parallel = True`) telling megatron's grad finalisation to all-reduce those grads over the tensor
+    group; do the same here, so the patched norm is right in training too (our frozen target computes no grads)."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+    if getattr(original, "_dstrain_patched", False):
+        return
+
+    @functools.wraps(original)
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)  # a shallow copy skips __post_init__: only the flag the assert reads changes
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    __new__._dstrain_patched = True
+    WrappedTorchNorm.__new__ = __new__
+
+
+SEQUENCE_PARALLEL_PATCHES = {"torch_norm_sequence_parallel": _torch_norm_sequence_parallel}
+SEQUENCE_PARALLEL_APPLIED: list[str] = []
+
+
 def apply_pinned(patches: dict, applied: list[str], what: str) -> list[str]:
     """Apply each named patch once, refusing any megatron-core but the one they were written against."""
     if applied:
@@ -141,3 +175,16 @@ def apply_without_te() -> list[str]:
     if has_transformer_engine():
         return NO_TE_APPLIED
     return apply_pinned(NO_TE_PATCHES, NO_TE_APPLIED, "dstrain's no-TransformerEngine patches")
+
+
+def apply_for_sequence_parallel() -> list[str]:
+    """What a sequence-parallel model needs, applied only where megatron's norms are its torch fallback (neither
+    TransformerEngine nor Apex imports); returns the names applied."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    # the layer specs' norm and the block's final norm are chosen apart (Apex / TE / torch)
+    if WrappedTorchNorm not in (gpt_layer_specs.LNImpl, transformer_block.LayerNormImpl):
+        return SEQUENCE_PARALLEL_APPLIED
+    return apply_pinned(SEQUENCE_PARALLEL_PATCHES, SEQUENCE_PARALLEL_APPLIED, "dstrain's sequence-parallel patches")

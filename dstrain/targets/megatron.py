@@ -12,6 +12,11 @@ a time, forward only.
 
 Every target rank ends a forward holding `local_captured` (its stage's capture layers, [B, T, m_s, d])
 and, on the last stage, `final_hidden`. Tensor ranks of a stage hold identical copies.
+
+MoE at tp > 1 runs sequence parallel (the adapters set it): between layers each tensor rank holds 1/tp of the
+sequence, so a forward pads the batch right to a multiple of tp (causal attention keeps the real positions exact)
+and the captured layers and final states are gathered along the tensor group, then cut back to T. Pipeline stages
+hold the layer counts of `pipeline_layers` (world.target.pipeline_layers; None: equal).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class _StopAtFinalNorm(Exception):
 
 class MegatronTarget:
     def __init__(self, cfg, reader, name: str, groups, capture_layers: list[int] | None = None, num_capture: int = 3,
-                 dtype: str = "float32", device: torch.device | str = "cpu"):
+                 dtype: str = "float32", device: torch.device | str = "cpu", pipeline_layers: list[int] | None = None):
         """Build this rank's GPTModel for transformers config `cfg` on `device` and fill it from `reader` (a
         CheckpointReader over the checkpoint folder) with exactly the slices its shard plan names."""
         from megatron.core import parallel_state
@@ -51,22 +56,28 @@ class MegatronTarget:
         self.num_layers = cfg.num_hidden_layers
         self.capture_layers = resolve_capture_layers(name, self.num_layers, capture_layers, num_capture)
         tp, pp, ep = groups.tp.size(), groups.pp.size(), groups.ep.size()
-        adapter.check_layout(cfg, tp, pp, ep)
+        adapter.check_layout(cfg, tp, pp, ep, pipeline_layers)
         self.coords = RankCoords(tp=tp, tp_rank=groups.tp.rank(), ep=ep, ep_rank=groups.ep.rank(), pp=pp,
-                                 stage=groups.pp.rank(), num_layers=self.num_layers)
+                                 stage=groups.pp.rank(), num_layers=self.num_layers,
+                                 pipeline_layers=tuple(pipeline_layers) if pipeline_layers else None)
         self.tp_rank, self.stage, self.stages = self.coords.tp_rank, self.coords.stage, pp
         per_stage = self.coords.layers_per_stage
         self.layer_offset = self.coords.layer_offset
         self.first, self.last = self.coords.first, self.coords.last
         self.local_layers = [i for i in self.capture_layers if self.layer_offset <= i < self.layer_offset + per_stage]
 
-        tcfg = adapter.transformer_config(cfg, tp, pp, ep, DTYPES[dtype])
+        tcfg = adapter.transformer_config(cfg, tp, pp, ep, DTYPES[dtype], pipeline_layers)
         tcfg.use_cpu_initialization = self.device.type == "cpu"  # on CUDA: built on the GPU, never moved
+        self.tp_group, self.sequence_parallel = groups.tp, tcfg.sequence_parallel
+        if self.sequence_parallel:
+            from dstrain.targets import mcore_patches
+
+            mcore_patches.apply_for_sequence_parallel()
         if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
             parallel_state._set_global_memory_buffer()  # the local attention borrows scratch space from it
         build = getattr(adapter, "build_model", None)  # a family whose model is not a GPTModel (DeepSeek-V4)
         if build is not None:
-            self.model = build(tcfg, cfg, self.first, self.last, groups)
+            self.model = build(tcfg, cfg, self.coords, groups)
         else:
             self.model = GPTModel(tcfg, adapter.layer_spec(tcfg, cfg), pre_process=self.first, post_process=self.last,
                                   pg_collection=groups, **adapter.gpt_kwargs(cfg))
@@ -89,24 +100,28 @@ class MegatronTarget:
         """Right-padded batches (causal attention keeps real positions exact). Returns a full TargetOutput
         when one stage holds everything (pp = 1); otherwise fills local_captured / final_hidden."""
         B, T = input_ids.shape
+        pad = -T % self.tp_group.size() if self.sequence_parallel else 0
+        if pad:  # right padding: causal attention keeps every real position exact; cut back below
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+        rows = (T + pad) // self.tp_group.size() if self.sequence_parallel else T  # sequence rows between layers
         grabbed: dict[int, torch.Tensor] = {}
         handles = []
         for idx in self.local_layers:
             def hook(_mod, _inp, out, idx=idx):
                 h = out[0] if isinstance(out, tuple) else out
-                grabbed[idx] = (h if self.readout is None else self.readout(h)).transpose(0, 1)  # megatron is [T, B, d]
+                grabbed[idx] = self._whole(h if self.readout is None else self.readout(h), T)
             handles.append(self.model.decoder.layers[idx - self.layer_offset].register_forward_hook(hook))
         final: dict[str, torch.Tensor] = {}
         if self.last:
             def stop(_mod, _inp, out):
-                final["h"] = out.transpose(0, 1)
+                final["h"] = self._whole(out, T)
                 raise _StopAtFinalNorm
             handles.append(self.model.decoder.final_layernorm.register_forward_hook(stop))
         try:
             if not self.first:
-                self.model.set_input_tensor(self.p2p.recv_forward((T, B, self.stage_width), is_first_stage=False))
+                self.model.set_input_tensor(self.p2p.recv_forward((rows, B, self.stage_width), is_first_stage=False))
             input_ids = input_ids.to(self.device)
-            position_ids = torch.arange(T, device=self.device).unsqueeze(0).expand(B, -1)
+            position_ids = torch.arange(T + pad, device=self.device).unsqueeze(0).expand(B, -1)
             try:
                 ids = input_ids if self.first or self.ids_everywhere else None
                 out = self.model(ids, position_ids, attention_mask=None)
@@ -125,8 +140,17 @@ class MegatronTarget:
 
     __call__ = forward
 
+    def _whole(self, h: torch.Tensor, T: int) -> torch.Tensor:
+        """megatron's [T, B, …] (this rank's rows under sequence parallelism) -> [B, T, …] of the whole sequence."""
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-def load_megatron_target(target_cfg, groups, seed: int, device: torch.device | str = "cpu"):
+            h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False, group=self.tp_group)
+        return h[:T].transpose(0, 1)
+
+
+def load_megatron_target(target_cfg, groups, seed: int, device: torch.device | str = "cpu",
+                         pipeline_layers: list[int] | None = None):
     """Build this target rank's shard of the recipe's target, reading only its own slices of the checkpoint."""
     from dstrain.targets import checkpoint_folder
     from dstrain.targets.checkpoint import CheckpointReader
@@ -137,6 +161,6 @@ def load_megatron_target(target_cfg, groups, seed: int, device: torch.device | s
     torch.manual_seed(seed)  # megatron's CPU init may draw from the global RNG before our weights overwrite it
     with CheckpointReader(folder, DTYPES[target_cfg.dtype]) as reader:
         target = MegatronTarget(cfg, reader, target_cfg.name, groups, target_cfg.capture_layers, target_cfg.num_capture,
-                                target_cfg.dtype, device)
+                                target_cfg.dtype, device, pipeline_layers)
     dist.barrier(group=groups.mp)
     return target

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dstrain.errors import UserError
-from dstrain.targets.shard_plan import Param, RankCoords, Read, cat0, full, rows
+from dstrain.targets.shard_plan import Param, RankCoords, Read, cat0, check_stages, full, megatron_stage_kwargs, rows
 
 DENSE = {"llama", "mistral", "qwen2", "qwen3"}
 MOE = {"mixtral", "qwen3_moe"}
@@ -35,7 +35,7 @@ def _rope_theta(cfg) -> float:
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
-def check_layout(cfg, tp: int, pp: int, ep: int) -> None:
+def check_layout(cfg, tp: int, pp: int, ep: int, pipeline_layers=None) -> None:
     """Reject what this mapping cannot shard, with the reason, before any weight is read."""
     kind = cfg.model_type
     if kind not in SUPPORTED:
@@ -45,8 +45,7 @@ def check_layout(cfg, tp: int, pp: int, ep: int) -> None:
     for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", kv), ("vocab_size", cfg.vocab_size)):
         if n % tp:
             raise UserError(f"world.target.tp={tp} must divide the target's {what} ({n})")
-    if cfg.num_hidden_layers % pp:
-        raise UserError(f"world.target.pp={pp} must divide the target's {cfg.num_hidden_layers} layers")
+    check_stages(cfg.num_hidden_layers, pp, pipeline_layers)
     if kind in MOE and num_experts(cfg) % ep:
         raise UserError(f"world.target.ep={ep} must divide the target's {num_experts(cfg)} experts")
     if kind not in MOE and ep != 1:
@@ -71,8 +70,10 @@ def _qkv_bias(cfg) -> bool:
     return bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
 
 
-def transformer_config(cfg, tp: int, pp: int, ep: int, dtype: torch.dtype):
-    """megatron's TransformerConfig for a transformers config (inference only: no dropout, no fusions)."""
+def transformer_config(cfg, tp: int, pp: int, ep: int, dtype: torch.dtype, pipeline_layers=None):
+    """megatron's TransformerConfig for a transformers config (inference only: no dropout, no fusions). MoE at tp > 1
+    runs sequence parallel: each tensor rank routes its own 1/tp of the tokens, so every expert computes each
+    token once (without it every tensor rank dispatches the same tokens: tp times the expert work)."""
     from megatron.core.transformer import TransformerConfig
 
     moe = cfg.model_type in MOE
@@ -90,9 +91,9 @@ def transformer_config(cfg, tp: int, pp: int, ep: int, dtype: torch.dtype):
         add_bias_linear=False, add_qkv_bias=_qkv_bias(cfg),
         qk_layernorm=cfg.model_type in ("qwen3", "qwen3_moe"), hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        sequence_parallel=moe and tp > 1, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, perform_initialization=False, variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall", **extra)
+        moe_token_dispatcher_type="alltoall", **megatron_stage_kwargs(pp, pipeline_layers), **extra)
 
 
 def gpt_kwargs(cfg) -> dict:

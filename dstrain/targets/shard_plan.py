@@ -16,6 +16,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from dstrain.errors import UserError
+
 
 @dataclass(frozen=True)
 class Read:
@@ -71,6 +73,57 @@ def full(key: str, shape: tuple[int, ...]) -> Read:
     return Read(key, tuple(shape))
 
 
+def stage_table(num_layers: int, pp: int, pipeline_layers=None) -> tuple[int, ...]:
+    """Layers per pipeline stage: `world.target.pipeline_layers` as given, else an equal split."""
+    if pipeline_layers:
+        return tuple(pipeline_layers)
+    return (num_layers // pp,) * pp
+
+
+def stage_of_layer(num_layers: int, pp: int, layer: int, pipeline_layers=None) -> int:
+    """The pipeline stage that owns global decoder layer `layer`."""
+    end = 0
+    for stage, count in enumerate(stage_table(num_layers, pp, pipeline_layers)):
+        end += count
+        if layer < end:
+            return stage
+    raise ValueError(f"layer {layer} is past the last of {num_layers} layers")
+
+
+def check_stages(num_layers: int, pp: int, pipeline_layers=None, free_middle: bool = False) -> None:
+    """One line for a stage split the target cannot take. `free_middle`: the family builds its own stages (V4);
+    otherwise megatron-core 0.16.1's GPTModel splits the stages between the first and the last evenly."""
+    if not pipeline_layers:
+        if num_layers % pp:
+            raise UserError(f"world.target.pp={pp} does not divide the target's {num_layers} layers: set"
+                            f" world.target.pipeline_layers to {pp} stage sizes summing to {num_layers}"
+                            f" (e.g. {list(even_split(num_layers, pp))})")
+        return
+    if sum(pipeline_layers) != num_layers:
+        raise UserError(f"world.target.pipeline_layers={list(pipeline_layers)} sums to {sum(pipeline_layers)}, but the"
+                        f" target has {num_layers} layers: make the stage sizes sum to {num_layers}")
+    middle = set(pipeline_layers[1:-1])
+    if not free_middle and len(middle) > 1:
+        raise UserError(f"world.target.pipeline_layers={list(pipeline_layers)}: megatron-core builds the stages between"
+                        f" the first and the last with equal layer counts; make them equal (e.g."
+                        f" {[pipeline_layers[0], *even_split(num_layers - pipeline_layers[0] - pipeline_layers[-1], pp - 2), pipeline_layers[-1]]})")
+
+
+def even_split(num_layers: int, parts: int) -> tuple[int, ...]:
+    """`num_layers` over `parts` stages as evenly as possible, the larger stages last (the first holds the embedding)."""
+    base, extra = divmod(num_layers, parts)
+    return tuple(base + (i >= parts - extra) for i in range(parts))
+
+
+def megatron_stage_kwargs(pp: int, pipeline_layers=None) -> dict:
+    """TransformerConfig's uneven-pipeline fields for a stage table (checked by check_stages first). Its
+    `pipeline_model_parallel_layout` would take any table, but 0.16.1 reads that layout's offsets from the global
+    parallel state, which a ProcessGroupCollection-built target does not set."""
+    if not pipeline_layers or pp == 1:
+        return {}
+    return dict(num_layers_in_first_pipeline_stage=pipeline_layers[0], num_layers_in_last_pipeline_stage=pipeline_layers[-1])
+
+
 @dataclass(frozen=True)
 class RankCoords:
     """Where a target rank sits in its replica: tensor, expert and pipeline coordinates."""
@@ -82,14 +135,20 @@ class RankCoords:
     pp: int = 1
     stage: int = 0
     num_layers: int = 1  # the whole model's decoder layers
+    pipeline_layers: tuple[int, ...] | None = None  # layers per stage (world.target.pipeline_layers); None: equal
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        return stage_table(self.num_layers, self.pp, self.pipeline_layers)
 
     @property
     def layers_per_stage(self) -> int:
-        return self.num_layers // self.pp
+        """This stage's layer count (stages may differ under pipeline_layers)."""
+        return self.stage_layers[self.stage]
 
     @property
     def layer_offset(self) -> int:
-        return self.stage * self.layers_per_stage
+        return sum(self.stage_layers[:self.stage])
 
     @property
     def first(self) -> bool:

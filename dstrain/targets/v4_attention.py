@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from torch import nn
@@ -244,6 +244,9 @@ class V4Attention(MegatronModule):
         self.q_layernorm = RMSNorm(dims.q_lora, dims.eps)
         self.linear_q_up_proj = build_module(submodules.linear_q_up_proj, dims.q_lora, H * D, gather_output=False,
                                              tp_group=pg_collection.tp, **kw)
+        # sequence parallel: forward gathers the whole sequence once, up front; q_b must not gather it again
+        self.sequence_parallel, self.tp_group = config.sequence_parallel and tp > 1, pg_collection.tp
+        self.linear_q_up_proj.sequence_parallel = False
         self.linear_kv = build_module(submodules.linear_kv, dims.hidden, D, **kw)
         self.kv_layernorm = RMSNorm(D, dims.eps)
         self.linear_o_a = build_module(submodules.linear_o_a, H * D // g, g * dims.o_lora, gather_output=False,
@@ -261,7 +264,11 @@ class V4Attention(MegatronModule):
                 self.indexer = Indexer(config, submodules.replicated, dims)
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
-        """hidden [T, B, d] (megatron's layout) -> [T, B, d]."""
+        """hidden [T, B, d] (megatron's layout) -> [T, B, d]; under sequence parallelism [T/tp, B, d] -> [T/tp, B, d]
+        (the replicated projections, compressors and indexer read every position: gathered here, and wo_b's
+        row-parallel reduction scatters the sequence back)."""
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=self.tp_group)
         x = hidden.transpose(0, 1)
         B, T, _ = x.shape
         rope = ctx.rope[self.rope_kind]
@@ -278,8 +285,8 @@ class V4Attention(MegatronModule):
         out = sparse_attention(q, kv, self.sinks, self.scale, self.window, entries, self.rate, picks, ctx.positions)
         out = rotate(out, cos[:, None], -sin[:, None])  # K=V carried RoPE into the values: undo it at the query
         out = self.linear_o_a(out.reshape(B, T, self.groups, -1)).flatten(2)
-        out, _ = self.linear_proj(out)
-        return out.transpose(0, 1).contiguous()
+        out, _ = self.linear_proj(out.transpose(0, 1).contiguous())  # [T, B, …]: the sequence-parallel split is dim 0
+        return out
 
 
 @contextlib.contextmanager

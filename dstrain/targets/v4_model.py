@@ -114,7 +114,7 @@ class Context:
 
     positions: torch.Tensor  # [T]
     rope: dict[str, Rope]
-    token_ids: torch.Tensor | None = None  # [T·B]
+    token_ids: torch.Tensor | None = None  # [T·B], this tensor rank's tokens (its 1/tp under sequence parallelism)
 
 
 class V4Layer(MegatronModule):
@@ -164,21 +164,25 @@ class V4Block(MegatronModule):
 
 
 class V4Model(MegatronModule):
-    """One pipeline stage of DeepSeek-V4 (first: embedding; last: hc head + final norm, no LM head)."""
+    """One pipeline stage of DeepSeek-V4 (first: embedding; last: hc head + final norm, no LM head). Under sequence
+    parallelism (config.sequence_parallel) the streams between layers and stages hold this tensor rank's 1/tp of the
+    sequence: the embedding reduce-scatters, attention gathers what it needs, the MoE routes only local tokens."""
 
     needs_input_ids = True
 
-    def __init__(self, config, layer_specs: list[ModuleSpec], dims: V4Dims, rope: dict[str, Rope], pre_process: bool,
-                 post_process: bool, pg_collection):
+    def __init__(self, config, layer_specs: list[ModuleSpec], dims: V4Dims, rope: dict[str, Rope], coords,
+                 pg_collection):
         super().__init__(config)
-        self.dims, self.rope, self.pre_process, self.post_process = dims, rope, pre_process, post_process
+        self.dims, self.rope, self.pre_process, self.post_process = dims, rope, coords.first, coords.last
         self.stage_width = dims.hc_mult * dims.hidden
-        pp, stage = pg_collection.pp.size(), pg_collection.pp.rank()
-        per = len(layer_specs) // pp
-        if pre_process:
+        self.tp_group = pg_collection.tp
+        self.sequence_parallel = config.sequence_parallel and self.tp_group.size() > 1
+        if self.pre_process:
             self.embedding = VocabParallelEmbedding(dims.vocab, dims.hidden, init_method=config.init_method,
-                                                    config=config, tp_group=pg_collection.tp)
-        self.decoder = V4Block(config, layer_specs[stage * per:(stage + 1) * per], stage * per, dims, post_process,
+                                                    reduce_scatter_embeddings=self.sequence_parallel, config=config,
+                                                    tp_group=pg_collection.tp)
+        offset, count = coords.layer_offset, coords.layers_per_stage  # this stage's rows of the stage table
+        self.decoder = V4Block(config, layer_specs[offset:offset + count], offset, dims, self.post_process,
                                pg_collection)
         self.input_tensor: torch.Tensor | None = None
 
@@ -190,15 +194,21 @@ class V4Model(MegatronModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
         """input_ids [B, T] on every stage (hash routing); returns the last stage's final-norm states [T, B, d],
-        or a middle stage's streams flattened to [T, B, n·d] for the next stage."""
+        or a middle stage's streams flattened to [T, B, n·d] for the next stage (T/tp rows each under sequence
+        parallelism)."""
         n, d = self.dims.hc_mult, self.dims.hidden
         B, T = input_ids.shape
+        token_ids = input_ids.t()  # [T, B]: megatron's token order
+        if self.sequence_parallel:  # this tensor rank's rows of the sequence, as the embedding scatters them
+            part = T // self.tp_group.size()
+            token_ids = token_ids[self.tp_group.rank() * part:(self.tp_group.rank() + 1) * part]
         if self.pre_process:
-            x = self.embedding(input_ids.t().contiguous())  # [T, B, d]
+            # reduce_scatter_embeddings takes [B, T] and returns [T/tp, B, d]; otherwise [T, B] in, [T, B, d] out
+            x = self.embedding(input_ids if self.sequence_parallel else input_ids.t().contiguous())
             streams = x.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
         else:
-            streams = self.input_tensor.view(T, B, n, d)
-        ctx = Context(positions=position_ids[0], rope=self.rope, token_ids=input_ids.t().reshape(-1))
+            streams = self.input_tensor.view(-1, B, n, d)
+        ctx = Context(positions=position_ids[0], rope=self.rope, token_ids=token_ids.reshape(-1))
         for layer in self.decoder.layers:
             streams = layer(streams, ctx)
         if not self.post_process:

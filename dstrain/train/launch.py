@@ -175,7 +175,8 @@ def channel_source(recipe, world, frozen):
     lay, j = world.layout, world.drafter_index
     replica = lay.replica_of_drafter(j)
     n_layers = frozen.config.num_hidden_layers
-    stages = [stage_of_layer(n_layers, lay.pp, layer) for layer in frozen.capture_layers]
+    table = recipe.world.target.pipeline_layers
+    stages = [stage_of_layer(n_layers, lay.pp, layer, table) for layer in frozen.capture_layers]
     stage_order = [layer for s in range(lay.pp) for layer, st in zip(frozen.capture_layers, stages) if st == s]
     row_sources = [(lay.target_rank(0, replica, s), stages.count(s)) for s in range(lay.pp) if stages.count(s)]
     receiver = Receiver(lay.target_rank(0, replica, lay.pp - 1), row_sources,

@@ -60,7 +60,8 @@ RANDOMISED = ("sinks", "position_bias", ".base", "hc_base", ".scale", "hc_scale"
 
 
 
-def hf_model(case: dict, folder: str):
+def hf_model(case: dict, folder: str, distinct: bool | None = None):
+    """`distinct`: hash tables name k different experts per token (default: the MIXED case only)."""
     hf = random_model(case, seed=7, dtype="float32")
     E, k = hf.config.n_routed_experts, hf.config.num_experts_per_tok
     with torch.no_grad():
@@ -74,7 +75,7 @@ def hf_model(case: dict, folder: str):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.3)
             if name.endswith("tid2eid"):  # a real table (zeros send every token to expert 0); the hc3 case repeats some
-                distinct = case is MIXED
+                distinct = case is MIXED if distinct is None else distinct
                 b.copy_(torch.stack([torch.randperm(E, generator=g)[:k] if distinct else torch.randint(0, E, (k,), generator=g)
                                      for _ in range(b.shape[0])]))
     hf.save_pretrained(folder, max_shard_size="20KB")
