@@ -1,17 +1,17 @@
 """slurm/train_dspark_moe.sh on a real one-node Slurm (slurmctld + slurmd on localhost, no munge, no GPUs: the
 jobs are submitted with --gpus-per-node=0, which overrides the script's 8 and which Slurm accepts without gres).
 
-1. A disaggregated tiny run (1 drafter rank + 1 target rank) is requeued by `scontrol requeue` once its first
-   checkpoint exists, and must finish from that checkpoint: the sbatch script, torchrun's c10d rendezvous, per-node
-   logs and the requeue path, for real.
-2. The preemption notice (USR1 to the batch script, as `--signal=B:USR1@120` sends it) mid-run: the script forwards
-   it, both drafter ranks save at the same step boundary, every rank exits, the script requeues, and the requeued
-   job resumes from the step after the notice, drawing exactly the samples an uninterrupted run draws.
+One disaggregated tiny run (2 drafter ranks + 1 target rank), started three times in one job: requeued by `scontrol
+requeue` once its first checkpoint exists (it must resume from that checkpoint), then sent the preemption notice (it
+must save, requeue itself and resume from the step after the notice, drawing exactly the samples an uninterrupted run
+draws): the sbatch script, torchrun's c10d rendezvous, per-node logs, both requeue paths, for real. One job instead of
+two saves a cluster start and a job's worth of start-ups in CI.
 `.ci/run` installs slurm-wlm.
 """
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -91,70 +91,44 @@ def job_state(env, job: str) -> dict:
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
 
+def logged_steps(run) -> list[int]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
+
+
 def early_lines(run) -> list[str]:
     return [line for line in (run / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 10]
 
 
-def test_sbatch_trains_checkpoints_and_resumes_after_requeue(cluster, tmp_path):
-    shards = tmp_path / "shards"
-    synthetic_shards(str(shards), "tiny-moe", 512, 64, seed=0)
-    logs, out = tmp_path / "logs", tmp_path / "runs"
-    env = {**cluster, "DSTRAIN_NPROC_PER_NODE": "2", "DSTRAIN_LOG_DIR": str(logs), "DSTRAIN_MASTER_PORT": str(free_port()),
-           "DSTRAIN_PYTHON": str(Path(os.sys.executable))}
-    started = time.time()
-    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--output={tmp_path}/job-%j.out", "slurm/train_dspark_moe.sh",
-                          "recipes/tiny_moe.yaml", f"data.shards={shards}", "world.mode=disaggregated", "world.drafter_ranks=1",
-                          "train.steps=40", "train.checkpoint_every=10", "train.log_every=1", f"run.output_dir={out}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
-    run = out / "tiny-moe-dspark"
-    requeued = False
-    deadline = time.time() + 420
-    while time.time() < deadline:
-        state = job_state(env, job)
-        if not requeued and (run / "checkpoints" / "latest").exists():
-            first_ten = early_lines(run)  # steps 1-10 are logged once the step-10 checkpoint exists
-            subprocess.run(["scontrol", "requeue", job], env=env, check=True, capture_output=True)
-            requeued = True
-        elif requeued and state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
-            # Slurm holds a requeued job for a while before it may start again; skip the wait
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True)
-        elif state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            break
-        time.sleep(0.5)
-    elapsed = time.time() - started
-    script_log = "\n".join(p.read_text() for p in tmp_path.glob("job-*.out"))
-    assert state.get("JobState") == "COMPLETED", (state, script_log[-3000:])
-    assert requeued and int(state.get("Restarts", "0")) >= 1, state
-    assert "node 0 localhost: ranks 0-1 (drafter+target)" in script_log
-    assert (logs / "node-0.log").is_file()
-    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-1] == 40 and (run / "checkpoints" / "step-40").is_dir()
-    # the second start resumed from a checkpoint, not from step 0. The log alone cannot tell (the monitor drops every
-    # line past the start step and training is deterministic), so: the trainer says where it resumed (node log and
-    # summary), and the lines of steps 1-10 are byte for byte the first start's (wall-clock rates differ if redone).
-    # Mutation caught: Trainer.resume() ignoring its checkpoint.
-    node_log = (logs / "node-0.log").read_text()
-    said = [line for line in node_log.splitlines() if "dstrain: resumed from step" in line]
-    assert len(said) == 1, node_log[-3000:]
-    resumed_from = int(said[0].split("resumed from step ")[1].split()[0])
-    assert resumed_from in (10, 20, 30) and f"(checkpoint step-{resumed_from})" in said[0], said
-    assert json.loads((run / "summary.json").read_text())["resumed_from"] == resumed_from
-    assert len(first_ten) == 10 and early_lines(run) == first_ten
-    assert steps == list(range(1, 41)), steps
-    print(f"slurm job {job}: {elapsed:.0f} s including one requeue")
+def steps_since_resume(node_log: str) -> list[int]:
+    """Steps the main drafter printed after the node log's last resume line (`step 12/30 (40%) | loss …`)."""
+    tail = node_log.rsplit("dstrain: resumed from step", 1)
+    return [int(m) for m in re.findall(r"^step (\d+)/\d+ ", tail[1], re.M)] if len(tail) == 2 else []
 
 
-def test_preemption_notice_saves_then_the_requeued_job_resumes_without_losing_or_repeating_samples(cluster, tmp_path):
-    """checkpoint_every is past the end, so the only checkpoint before step 24 is the one the notice asked for."""
+def segments(order: list[int]) -> list[list[int]]:
+    """The target's channel-log steps cut where a new start begins again (a step not after the previous one)."""
+    out = [[order[0]]]
+    for a, b in zip(order, order[1:]):
+        out.append([b]) if b <= a else out[-1].append(b)
+    return out
+
+
+def test_sbatch_survives_a_requeue_and_a_preemption_notice_without_losing_or_repeating_samples(cluster, tmp_path):
+    """One job, three starts: (1) `scontrol requeue` once the step-10 checkpoint exists (a node lost: no warning), the
+    second start resumes from a periodic checkpoint; (2) mid-way through that start the preemption notice (USR1 to the
+    batch script, as `--signal=B:USR1@120` sends it): the script forwards it, both drafter ranks save at the same step
+    boundary, every rank exits, the script requeues, and the third start resumes from the step after the notice.
+    checkpoint_every is 10, so the notice's save is the only checkpoint between the two periodic ones."""
     from dstrain.recipe import load_recipe
     from dstrain.train.launch import make_loader
 
     shards = tmp_path / "shards"
     synthetic_shards(str(shards), "tiny-moe", 512, 192, seed=0)
     logs, out = tmp_path / "logs", tmp_path / "runs"
-    steps, drafters = 24, 2
+    steps, drafters = 30, 2
     overrides = [f"data.shards={shards}", "world.mode=disaggregated", f"world.drafter_ranks={drafters}", "drafter.ffn.type=dense",
-                 f"train.steps={steps}", "train.warmup_steps=1", "train.checkpoint_every=1000", "train.log_every=1",
+                 f"train.steps={steps}", "train.warmup_steps=1", "train.checkpoint_every=10", "train.log_every=1",
                  f"run.output_dir={out}"]
     env = {**cluster, "DSTRAIN_NPROC_PER_NODE": "3", "DSTRAIN_LOG_DIR": str(logs), "DSTRAIN_MASTER_PORT": str(free_port()),
            "DSTRAIN_PYTHON": str(Path(os.sys.executable))}
@@ -163,50 +137,64 @@ def test_preemption_notice_saves_then_the_requeued_job_resumes_without_losing_or
                           "slurm/train_dspark_moe.sh", "recipes/tiny_moe.yaml", *overrides],
                          cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     run = out / "tiny-moe-dspark"
-    noticed_at = None
-    deadline = time.time() + 480
+    first_ten, noticed_at, seen = None, None, []  # seen: resume and notice-save lines, in order (node logs may restart)
+    deadline = time.time() + 720
     while time.time() < deadline:
         state = job_state(env, job)
-        logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").exists() else []
-        if noticed_at is None and logged and max(logged) >= 4:
+        node_log = (logs / "node-0.log").read_text() if (logs / "node-0.log").exists() else ""
+        seen += [x for x in node_log.splitlines() if ("dstrain: resumed from step" in x or "dstrain: preemption notice:"
+                                                      " checkpoint step-" in x) and x not in seen]
+        resumes = [x for x in seen if "resumed from step" in x]
+        if first_ten is None and (run / "checkpoints" / "latest").exists():
+            first_ten = early_lines(run)  # steps 1-10 are logged once the step-10 checkpoint exists
+            subprocess.run(["scontrol", "requeue", job], env=env, check=True, capture_output=True)
+        elif first_ten is not None and noticed_at is None and len(resumes) == 1 and len(steps_since_resume(node_log)) >= 2:
+            # the second start has trained two steps (its handler is installed): the notice, as Slurm sends it
             subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, capture_output=True)
-            noticed_at = max(logged)
-        elif noticed_at is not None and state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
+            noticed_at = steps_since_resume(node_log)[-1]
+        elif first_ten is not None and state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
+            # Slurm holds a requeued job for a while before it may start again; skip the wait
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True)
         elif state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             break
-        time.sleep(0.2)
+        time.sleep(0.3)
     elapsed = time.time() - started
     script_log = "\n".join(p.read_text() for p in tmp_path.glob("job-*.out"))
-    node_log = (logs / "node-0.log").read_text() if (logs / "node-0.log").exists() else ""
-    assert state.get("JobState") == "COMPLETED", (state, script_log[-3000:], node_log[-3000:])
-    assert noticed_at is not None and int(state.get("Restarts", "0")) == 1, state
+    assert state.get("JobState") == "COMPLETED", (state, script_log[-3000:], seen)
+    assert noticed_at is not None and int(state.get("Restarts", "0")) == 2, (state, seen)
+    assert "node 0 localhost: ranks 0-2 (drafter+target)" in script_log, script_log
     assert "USR1: asking the training processes for a checkpoint" in script_log and "requeueing job" in script_log, script_log
-    saved = [line for line in node_log.splitlines() if "dstrain: preemption notice: checkpoint step-" in line]
-    assert len(saved) == 1, node_log[-3000:]
-    saved_at = int(saved[0].split("checkpoint step-")[1].split()[0])
-    assert noticed_at <= saved_at < steps, (noticed_at, saved_at)
-    # Mutations caught: no handler (USR1 kills a rank: the first job fails), no save on the notice (no resume line
-    # naming that step), a save on one drafter only (a collective save that never completes: the job times out).
-    resumed = [line for line in node_log.splitlines() if "dstrain: resumed from step" in line]
-    assert resumed == [resumed[0]] and f"resumed from step {saved_at} (checkpoint step-{saved_at})" in resumed[0], resumed
-    assert json.loads((run / "summary.json").read_text())["resumed_from"] == saved_at
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, steps + 1))
-    # The samples: the target's channel log has one line per step it produced; the first job's target may have run
-    # ahead of the drafters by the channel's depth (those lines are redone by the requeued job). The requeued job's
-    # lines must run saved_at + 1 .. steps, and every step's ids must be what the drafters' loaders draw in an
-    # uninterrupted run: nothing lost, nothing repeated.
+    resumes = [int(x.split("resumed from step ")[1].split()[0]) for x in seen if "resumed from step" in x]
+    saves = [int(x.split("checkpoint step-")[1].split()[0]) for x in seen if "preemption notice" in x]
+    assert len(resumes) == 2 and len(saves) == 1, seen
+    # Mutations caught: Trainer.resume() ignoring its checkpoint (start 2 would not resume from step 10 or 20); no
+    # USR1 handler (the notice kills a rank: the job fails); no save on the notice (start 3 resumes from a periodic
+    # checkpoint); a save on one drafter only (a collective save that never completes: the job times out).
+    assert resumes[0] in (10, 20) and resumes[0] < noticed_at <= saves[0] < steps and resumes[1] == saves[0], (resumes, saves, noticed_at)
+    for r in resumes:
+        assert any(f"resumed from step {r} (checkpoint step-{r})" in x for x in seen), seen
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == saves[0]
+    assert logged_steps(run) == list(range(1, steps + 1)) and (run / "checkpoints" / "step-30").is_dir()
+    # the lines of steps 1-10 are byte for byte the first start's (wall-clock rates differ if they were redone)
+    assert len(first_ten) == 10 and early_lines(run) == first_ten
+    # The samples: the target's channel log has one line per step it produced. A start may run ahead of the drafters'
+    # checkpoint (those steps are redone by the next start); each start after the first begins right after its resume
+    # step, the last ends at the end, and every step's ids are what the drafters' loaders draw in an uninterrupted run:
+    # nothing lost, nothing repeated in what was trained.
     lines = [json.loads(x) for x in (run / "channel" / f"target-rank-{drafters}.jsonl").read_text().splitlines()]
-    order = [x["step"] for x in lines]
-    cut = next((i for i in range(1, len(order)) if order[i] <= order[i - 1]), order.index(saved_at) + 1)
-    assert order[:cut] == list(range(1, order[cut - 1] + 1)) and saved_at <= order[cut - 1] <= saved_at + 3, order
-    assert order[cut:] == list(range(saved_at + 1, steps + 1)), order
+    parts = segments([x["step"] for x in lines])
+    assert len(parts) == 3 and parts[0][0] == 1 and parts[-1][-1] == steps, parts
+    for part in parts:
+        assert part == list(range(part[0], part[-1] + 1)), parts
+    for before, after, r in zip(parts, parts[1:], resumes):
+        assert after[0] == r + 1 and before[-1] >= r, (parts, resumes)
+    assert parts[1][-1] <= saves[0] + 3, parts  # after the notice the target stops within the channel's depth
     recipe = load_recipe(str(ROOT / "recipes" / "tiny_moe.yaml"), overrides)
     streams = [iter(make_loader(recipe, j, drafters)) for j in range(drafters)]
     mb = recipe.train.micro_batch_size
     expected = {s: [next(streams[j]).meta["id"] for j in range(drafters) for _ in range(mb)] for s in range(1, steps + 1)}
     for x in lines:
         assert x["samples"] == expected[x["step"]], (x["step"], x["samples"], expected[x["step"]])
-    print(f"preemption: notice sent at step {noticed_at}, checkpoint step-{saved_at}, requeued job resumed at step "
-          f"{saved_at + 1}; {len(lines)} target step lines ({cut - saved_at} run ahead, redone) of {drafters * mb} samples"
-          f" each match an uninterrupted draw; {elapsed:.0f} s")
+    print(f"slurm job {job}: requeued at the step-10 checkpoint, resumed from step {resumes[0]}; notice at step "
+          f"{noticed_at}, checkpoint step-{saves[0]}, resumed from step {resumes[1]}; {len(lines)} target step lines of"
+          f" {drafters * mb} samples each match an uninterrupted draw; {elapsed:.0f} s")
