@@ -106,7 +106,8 @@ def test_drafter_reassembles_captured_layers_in_the_recipe_order():
     lay = Layout(tp=1, pp=2, dp=1, ep=1, drafters=1, disaggregated=True)
     world = SimpleNamespace(layout=lay, drafter_index=0)
     frozen = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=4), capture_layers=[2, 0, 1])
-    source = channel_source(SimpleNamespace(), world, frozen)
+    recipe = SimpleNamespace(world=SimpleNamespace(target=SimpleNamespace(pipeline_layers=None)))  # equal stages
+    source = channel_source(recipe, world, frozen)
     rx = source.receiver
     assert rx.lead == lay.target_rank(0, 0, 1) and rx.row_sources == [(lay.target_rank(0, 0, 0), 2), (lay.target_rank(0, 0, 1), 1)]
     stage_order = torch.tensor([[[0.0], [1.0], [2.0]]])  # [rows, m, d]: layer ids as they arrive: stage 0's two, then stage 1's
