@@ -15,7 +15,7 @@ from dstrain.data.anchors import anchor_generator, sample_anchors
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks, pack_blocks
 from dstrain.models.heads import MarkovHead
-from dstrain.train.losses import drafter_loss_sums, position_weights, vocab_loss
+from dstrain.train.losses import drafter_loss_sums, plan_vocab_chunks, position_weights, vocab_loss
 
 
 @dataclass
@@ -115,11 +115,13 @@ class DraftStep(torch.nn.Module):
         return draft_losses(self.drafter, lm_head, packed, feats, loss_cfg)
 
 
-def pack_step(recipe, samples: list[Sample], step: int) -> PackedBlocks:
-    """The packing of one training step's micro-batch: what both sides of a disaggregated run compute alike."""
+def pack_step(recipe, samples: list[Sample], step: int, vocab: int | None = None, device="cpu") -> PackedBlocks:
+    """The packing of one training step's micro-batch: what both sides of a disaggregated run compute alike.
+    `vocab`: also plan the loss chunks for a vocabulary this size on `device` (the drafter side; host work)."""
     d = recipe.drafter
-    return pack_samples(samples, d.block_size, recipe.anchors.per_sequence, d.sliding_window, recipe.run.seed, step,
-                        slots=d.block_size + (0 if d.sample_from_anchor else 1))
+    packed = pack_samples(samples, d.block_size, recipe.anchors.per_sequence, d.sliding_window, recipe.run.seed, step,
+                          slots=d.block_size + (0 if d.sample_from_anchor else 1))
+    return packed if vocab is None else plan_vocab_chunks(packed, vocab, device)
 
 
 def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats: TargetFeatures, loss_cfg,
