@@ -63,7 +63,7 @@ class PackedBlocks:
 
 def pack_blocks(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], anchors: list[torch.Tensor], gamma: int,
                 mask_token_id: int, window: int | None = None, slots: int | None = None) -> PackedBlocks:
-    """`slots`: block slots the drafter attends with (γ, or γ + 1 for DFlash's paper layout): the key grouping's cost model."""
+    """`slots`: block slots the drafter attends with (γ, or γ + 1 for DFlash's paper layout), the key groups' masks'."""
     lengths = torch.tensor([len(x) for x in input_ids])
     offsets = torch.cumsum(lengths, 0) - lengths
     flat_ids = torch.cat(input_ids)

@@ -97,8 +97,10 @@ class BlockDrafter(nn.Module):
         if self.streams:
             x = x.unsqueeze(-2).expand(-1, -1, self.streams, -1).contiguous()
         # blocks with overlapping key ranges share one slice of the context keys (no per-block copies): groups that
-        # packing built on the host; without them (a decoding session's blocks) the per-block layout
-        keys = packed.key_groups if packed.key_groups is not None else packed.key_index
+        # packing built on the host; without them (a decoding session's blocks, or groups built for another slot
+        # count) the per-block layout
+        groups = packed.key_groups
+        keys = groups if groups is not None and groups.slots == x.shape[1] else packed.key_index
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.context_kv(ctx, packed.ctx_pos)
             attend = lambda h: layer.attend(h, block_pos, k_ctx, v_ctx, keys)  # noqa: E731
