@@ -75,13 +75,29 @@ def test_deepspeed_accelerator_must_agree_with_the_device(monkeypatch):
 
 
 def test_packed_blocks_move_as_a_whole():
-    ids = [torch.arange(3, 40), torch.arange(5, 30)]
+    from dstrain.train.losses import plan_vocab_chunks
+
+    ids = [torch.arange(3, 200), torch.arange(5, 30)]
     masks = [torch.ones(len(x), dtype=torch.bool) for x in ids]
-    packed = pack_blocks(ids, masks, [torch.tensor([4, 20]), torch.tensor([10])], 4, 0, window=8)
+    anchors = [torch.arange(100, 130), torch.tensor([10, 11])]  # close anchors without a window: grouped keys
+    packed = plan_vocab_chunks(pack_blocks(ids, masks, anchors, 4, 0, window=None), vocab=64, rows_per_chunk=8)
+    assert packed.key_groups is not None and packed.loss_chunks is not None  # the host's plan travels with the indices
     assert packed.to("cpu") is packed
     moved = packed.to("meta")
-    for name, value in vars(moved).items():
-        assert value.device.type == "meta" and value.shape == getattr(packed, name).shape, name
+
+    def leaves(p):
+        out = []
+        for name, value in vars(p).items():
+            if isinstance(value, torch.Tensor):
+                out.append((name, value))
+            elif value is not None:  # KeyGroups, VocabChunks: every tensor they hold
+                value.map(lambda t, n=name: out.append((n, t)) or t)
+        return out
+
+    before, after = leaves(packed), leaves(moved)
+    assert [n for n, _ in before] == [n for n, _ in after] and {"key_groups", "loss_chunks", "prev_inverse"} <= {n for n, _ in after}
+    for (name, value), (_, was) in zip(after, before):
+        assert value.device.type == "meta" and value.shape == was.shape, name
 
 
 def test_losses_keep_upcast_gemms_off_cuda():

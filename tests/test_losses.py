@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from dstrain.data.anchors import IGNORE
-from dstrain.train.losses import drafter_loss_sums, position_weights, vocab_loss
+from dstrain.train.losses import drafter_loss_sums, position_weights, vocab_chunks, vocab_loss
 
 
 def naive(h_d, h_t, weight, labels, a=None, w2=None):
@@ -30,7 +30,8 @@ def inputs(n=12, d=16, vocab=300, r=8, dtype=torch.float64, seed=0):
 @pytest.mark.parametrize("markov", [True, False])
 @pytest.mark.parametrize("rows", [1, 5, 1000])
 @pytest.mark.parametrize("shared_targets", [False, True])
-def test_fused_equals_naive_values_and_grads(markov, rows, shared_targets):
+@pytest.mark.parametrize("planned", [False, True])  # which rows each chunk shares: found on the host while packing
+def test_fused_equals_naive_values_and_grads(markov, rows, shared_targets, planned):
     h_d, h_t, weight, labels, a, w2 = inputs()
     extra = (a, w2) if markov else (None, None)
     g = torch.Generator().manual_seed(1)
@@ -41,8 +42,13 @@ def test_fused_equals_naive_values_and_grads(markov, rows, shared_targets):
     if markov and shared_targets:
         extra = (a[:6].detach().requires_grad_(), w2)
         a = extra[0]
+    chunks = None
+    if planned:
+        flat = torch.arange(len(labels)) if index is None else index
+        chunks = vocab_chunks(flat, flat, rows)
+        assert chunks.rows == rows and any(c is not None for c in chunks.target) == (shared_targets and rows > 1)
     total, ce, tv = vocab_loss(h_d, table, weight, labels, c_ce, c_tv, *extra, target_index=index, markov_index=index,
-                               rows_per_chunk=rows)
+                               rows_per_chunk=None if planned else rows, chunks=chunks)
     ref_extra = (extra[0][index], w2) if markov and shared_targets else extra
     ce_ref, tv_ref = naive(h_d, table[index] if shared_targets else h_t, weight, labels, *ref_extra)
     torch.testing.assert_close(ce, ce_ref.detach(), atol=1e-10, rtol=0)

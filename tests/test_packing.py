@@ -133,3 +133,17 @@ def test_grouped_keys_share_the_context_without_a_window():
     scrambled = p.key_index.clone()
     scrambled[-1, -1] = 0
     assert KeyGroups.build(scrambled, 5) is None
+
+
+def test_key_groups_refuse_another_block_size():
+    """The groups' masks are built (on the host, while packing) for a number of slots per block: attention with
+    another one refuses rather than attends wrongly, and the drafter then takes the per-block layout."""
+    ids, masks, anchors = make_batch([300], per_seq=60)
+    p = pack_blocks(ids, masks, anchors, 4, mask_token_id=1, window=None, slots=5)
+    assert p.key_groups is not None and p.key_groups.slots == 5
+    q, kv = torch.randn(p.num_blocks, 4, 4, 8), torch.randn(p.num_blocks, 4, 2, 8)
+    ctx = torch.randn(len(p.ctx_rows), 2, 8)
+    with pytest.raises(ValueError, match="slots=4"):
+        block_attention(q, kv, kv, ctx, ctx, p.key_groups)
+    kv5 = torch.randn(p.num_blocks, 5, 2, 8)
+    assert block_attention(torch.randn(p.num_blocks, 5, 4, 8), kv5, kv5, ctx, ctx, p.key_groups).shape == (p.num_blocks, 5, 4, 8)

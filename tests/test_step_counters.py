@@ -104,11 +104,12 @@ def _args(**kw):
     return argparse.Namespace(**{**base, **kw})
 
 
-# Issue 23's "before": today's packed step at tiny sizes (tools/bench_train.py --count --sizes tiny). These numbers
-# must only go down: a change that adds a host sync or device ops fails here; lower them when the step gets leaner.
+# Issue 23: the packed step at tiny sizes (tools/bench_train.py --count --sizes tiny). These numbers must only go
+# down: a change that adds a host sync or device ops fails here; lower them when the step gets leaner. Before the key
+# groups (with their masks) and the loss chunks' shared rows were planned while packing: 838 / 53 and 1482 / 133.
 RATCHET = {  # (anchors, window, context): (device kernels, host syncs)
-    (16, 128, 512): (838, 53),  # KeyGroups: 6 buckets
-    (64, None, 512): (1482, 133),  # KeyGroups: 16 buckets
+    (16, 128, 512): (805, 0),  # KeyGroups: 6 buckets
+    (64, None, 512): (1365, 0),  # KeyGroups: 16 buckets
 }
 
 
@@ -118,6 +119,7 @@ def test_ratchet_packed_step_counts():
     for (anchors, window, context), (kernels, syncs) in RATCHET.items():
         row = count_point(_args(), "packed", context, window, anchors)
         assert row["syncs"] <= syncs, f"{anchors}/{window}/{context}: {row['syncs']} host syncs > issue 23's {syncs}: {row['sync_sites'][:5]}"
+        assert row["host_ops"] == 0, row["host_ops_by_op"]  # no host work between launches either (packing did it)
         assert row["kernels"] <= kernels * 1.02, f"{anchors}/{window}/{context}: {row['kernels']} device ops > issue 23's {kernels} (+2 %)"
         assert row["kernels"] > 0 and row["computed_pairs"] >= row["needed_pairs"] > 0  # the counter saw the step
 
@@ -139,3 +141,30 @@ def test_bench_count_table_is_consistent(tmp_path):
         assert all(e["site"].startswith(("dstrain/", "tools/")) for e in r["sync_sites"])
     ref = rows[1]
     assert ref["syncs"] == 0 and ref["static_shapes"]  # the dense-mask reference: no syncs, static shapes
+
+
+def test_the_planned_step_computes_what_the_unplanned_step_does():
+    """The counted step reads the host's plan (key groups, distinct previous tokens, each loss chunk's shared rows);
+    without it the step finds them itself (torch.unique, the per-block layout): the same loss and gradients."""
+    from dataclasses import replace
+
+    from bench_train import setup
+    from dstrain.recipe import LossConfig
+    from dstrain.train.step import TargetFeatures, draft_losses
+
+    drafter, lm_head, packed, captured, final = setup(_args(), 512, None, 64)
+    assert packed.key_groups is not None and packed.loss_chunks is not None
+    assert any(c is not None for c in packed.loss_chunks.target)  # overlapping blocks share target rows here
+    bare = replace(packed, key_groups=None, prev_distinct=None, prev_inverse=None, loss_chunks=None)
+    results = []
+    for p in (packed, bare):
+        drafter.zero_grad()
+        sums, tv, _ = draft_losses(drafter, lm_head, p, TargetFeatures(captured, final), LossConfig())
+        (sums["total"] / sums["weight"]).backward()
+        results.append((sums["total"].detach(), tv, [q.grad.clone() for q in drafter.parameters() if q.grad is not None]))
+    (total, tv, grads), (total0, tv0, grads0) = results
+    torch.testing.assert_close(total, total0, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(tv, tv0, atol=1e-6, rtol=0)
+    assert len(grads) == len(grads0) > 0
+    for g, g0 in zip(grads, grads0):
+        torch.testing.assert_close(g, g0, atol=1e-5, rtol=1e-4)

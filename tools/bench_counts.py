@@ -126,7 +126,7 @@ def count_trainer(recipe: str, overrides: list[str], at_step: int = 2) -> dict:
     optimizer step, the metric reads, the MoE load all-reduce) at step `at_step` of a short real run of `recipe`."""
     import tempfile
 
-    from dstrain import main as entry
+    from dstrain import cli
     from dstrain.data.shards import synthetic_shards
     from dstrain.train import trainer as trainer_mod
     from dstrain.train.step_counters import _HOST, StepCounter
@@ -159,7 +159,7 @@ def count_trainer(recipe: str, overrides: list[str], at_step: int = 2) -> dict:
             overrides = [f"data.shards={tmp}/shards", *overrides]
         trainer_mod.Trainer.train_step = counted
         try:
-            entry.main([recipe, *overrides, f"train.steps={at_step}", "train.warmup_steps=0", "train.log_every=1",
+            cli.main(["train", recipe, *overrides, f"train.steps={at_step}", "train.warmup_steps=0", "train.log_every=1",
                         "train.checkpoint_every=1000", "eval.every=0", f"run.output_dir={tmp}/run"])
         except SystemExit as done:  # cli_main exits with the run's code
             if done.code:

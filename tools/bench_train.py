@@ -74,6 +74,7 @@ def setup(args, context: int, window: int | None, anchors: int, draw: int = 0):
     from dstrain.models.contract import TargetSpec
     from dstrain.models.registry import build_drafter
     from dstrain.recipe import DrafterConfig, FFNConfig
+    from dstrain.train.losses import plan_vocab_chunks
 
     device, dtype, size = torch.device(args.device), DTYPES[args.dtype], SIZES[args.sizes]
     torch.manual_seed(0)
@@ -92,6 +93,7 @@ def setup(args, context: int, window: int | None, anchors: int, draw: int = 0):
                for i in range(args.batch)]
     picks = [sample_anchors(s.loss_mask, anchors, anchor_generator(draw, s.meta["id"])) for s in samples]  # draw: another anchor set
     packed = pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], picks, args.gamma, 0, window)
+    packed = plan_vocab_chunks(packed, size["vocab"], device)  # the data path's host work, before the step
     captured = torch.randn(args.batch * context, 3, size["hidden"], device=device).to(dtype)
     final = torch.randn(args.batch * context, size["hidden"], device=device).to(dtype)
     return drafter, lm_head, packed.to(device), captured, final

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dstrain.data.anchors import block_labels
+from dstrain.models.attention import KeyGroups
 
 
 @dataclass
@@ -30,6 +31,11 @@ class PackedBlocks:
     final_rows: torch.Tensor  # [N, γ] flat rows of the target's pre-LM-head states at a .. a+γ−1
     seq_index: torch.Tensor  # [N]
     anchors: torch.Tensor  # [N]
+    # Built here on the host so the step never asks the device for a shape (each would be a host sync on a GPU):
+    key_groups: KeyGroups | None = None  # the grouped attention's gathers (None: the per-block layout over key_index)
+    prev_distinct: torch.Tensor | None = None  # [U] distinct previous tokens (the Markov head's W₁ rows) ...
+    prev_inverse: torch.Tensor | None = None  # [N·γ] ... and which of them each position reads
+    loss_chunks: object = None  # losses.VocabChunks: rows shared inside each loss chunk (plan_vocab_chunks)
 
     @property
     def num_blocks(self) -> int:
@@ -40,14 +46,24 @@ class PackedBlocks:
         return self.labels >= 0
 
     def to(self, device) -> "PackedBlocks":
-        """The same packing with every index tensor on `device` (packing itself runs on the CPU)."""
-        if self.block_tokens.device == torch.device(device):
+        """The same packing with every index tensor on `device` (packing itself runs on the CPU): copies that do
+        not block the host, from pinned memory when the device is a GPU."""
+        device = torch.device(device)
+        if self.block_tokens.device == device:
             return self
-        return PackedBlocks(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        pin = device.type == "cuda" and self.block_tokens.device.type == "cpu"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return PackedBlocks(**{k: v if v is None else move(v) if isinstance(v, torch.Tensor) else v.map(move)
+                               for k, v in moved.items()})
 
 
 def pack_blocks(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], anchors: list[torch.Tensor], gamma: int,
-                mask_token_id: int, window: int | None = None) -> PackedBlocks:
+                mask_token_id: int, window: int | None = None, slots: int | None = None) -> PackedBlocks:
+    """`slots`: block slots the drafter attends with (γ, or γ + 1 for DFlash's paper layout), the key groups' masks'."""
     lengths = torch.tensor([len(x) for x in input_ids])
     offsets = torch.cumsum(lengths, 0) - lengths
     flat_ids = torch.cat(input_ids)
@@ -71,7 +87,10 @@ def pack_blocks(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], a
     key_index = torch.full_like(flat, -1)
     key_index[slot_ok] = inverse
     seq_of_row = torch.searchsorted(offsets, ctx_rows, right=True) - 1
+    prev_distinct, prev_inverse = torch.unique(prev_tokens.reshape(-1), return_inverse=True)
     return PackedBlocks(block_tokens=block_tokens, block_pos=block_pos, prev_tokens=prev_tokens, labels=labels,
                         ctx_rows=ctx_rows, ctx_pos=ctx_rows - offsets[seq_of_row],
                         ctx_next_tokens=flat_ids[ctx_rows + 1], key_index=key_index,
-                        final_rows=rows, seq_index=seq_index, anchors=anchor)
+                        final_rows=rows, seq_index=seq_index, anchors=anchor,
+                        key_groups=KeyGroups.build(key_index, slots or gamma),
+                        prev_distinct=prev_distinct, prev_inverse=prev_inverse)

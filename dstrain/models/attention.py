@@ -30,26 +30,39 @@ import torch.nn.functional as F
 @dataclass
 class _Bucket:
     blocks: torch.Tensor  # [B, G] block ids (padding repeats a real block; its outputs are dropped)
-    real: torch.Tensor  # [B, G] bool
+    real: torch.Tensor  # [R] flat slots (b·G + g) of the real blocks: an index, so keeping them is a gather, not a mask
     key_index: torch.Tensor  # [B, K] rows of the context keys (clamped; the mask hides the padding)
-    mask_ctx: torch.Tensor  # [B, G, K] block slot g may see context key k
+    mask: torch.Tensor  # [B, 1, G·slots, K + G·slots] query slot may see key: its block's context range, its own block
+
+    def map(self, fn) -> "_Bucket":
+        return _Bucket(fn(self.blocks), fn(self.real), fn(self.key_index), fn(self.mask))
 
 
 @dataclass
 class KeyGroups:
+    """Built on the host while packing (data/packing.py), moved to the device with the packed batch: inside the step
+    the grouped attention only gathers with these indices, whose sizes the host already knows (no sync)."""
+
     buckets: list[_Bucket]
     order: torch.Tensor  # [N] position in the concatenated bucket outputs of each block
+    slots: int  # query slots (= own keys) per block the masks were built for
+
+    def map(self, fn) -> "KeyGroups":
+        """The same groups with fn applied to every tensor (PackedBlocks.to moves them with it)."""
+        return KeyGroups([b.map(fn) for b in self.buckets], fn(self.order), self.slots)
 
     @staticmethod
     def build(key_index: torch.Tensor, slots: int, slack: float = 1.2, max_group: int = 64,
               min_saving: float = 0.5, steps: int = 4) -> "KeyGroups | None":
         """Groups for key_index [N, Wk]; None when some block's keys are not one contiguous range of rows, or when
         grouping would copy more than (1 − min_saving) of the per-block layout's keys (then the per-block layout,
-        with fewer and larger operations, is the better one: e.g. a short window and anchors far apart)."""
+        with fewer and larger operations, is the better one: e.g. a short window and anchors far apart).
+        `slots`: the block's query slots and own keys in the attention (the masks are built for them).
+        Host work (a loop over blocks): the result lives where key_index does; packing calls it on the host."""
         if not len(key_index):
             return None
         device = key_index.device
-        ki = key_index.cpu()
+        ki = key_index.cpu()  # a no-op for packing's host tensors
         valid = ki >= 0
         count = valid.sum(1)
         big = torch.iinfo(ki.dtype).max
@@ -92,12 +105,23 @@ class KeyGroups:
             base = torch.tensor([l for _, _, l, _ in members])
             rows = base[:, None] + torch.arange(k_max)[None, :]  # [B, K]
             mask = (rows[:, None, :] >= lo[blocks][:, :, None]) & (rows[:, None, :] < hi[blocks][:, :, None])
-            buckets.append(_Bucket(blocks.to(device), real.to(device), rows.clamp(max=max(int(hi.max()) - 1, 0)).to(device),
-                                   mask.to(device)))
+            mask = _full_mask(mask, slots)
+            buckets.append(_Bucket(blocks.to(device), real.reshape(-1).nonzero().squeeze(1).to(device),
+                                   rows.clamp(max=max(int(hi.max()) - 1, 0)).to(device), mask.to(device)))
             placed.append(blocks[real])
         order = torch.empty(len(lo_l), dtype=torch.long)
         order[torch.cat(placed)] = torch.arange(len(lo_l))
-        return KeyGroups(buckets, order.to(device))
+        return KeyGroups(buckets, order.to(device), slots)
+
+
+def _full_mask(mask_ctx: torch.Tensor, slots: int) -> torch.Tensor:
+    """[B, G, K] context visibility per block → [B, 1, G·slots, K + G·slots] for the bucket's SDPA call: each of a
+    block's query slots sees its context range and every key of its own block. Built once on the host while packing,
+    not per layer in the step."""
+    b, gm, _ = mask_ctx.shape
+    same = torch.eye(gm, dtype=torch.bool)[:, :, None].expand(gm, gm, slots).reshape(gm, gm * slots)
+    mask = torch.cat([mask_ctx, same.expand(b, gm, gm * slots)], 2)  # [B, G, K + G·slots]
+    return mask[:, :, None, :].expand(b, gm, slots, mask.shape[-1]).reshape(b, 1, gm * slots, mask.shape[-1])
 
 
 def _rounded(width: int, steps: int) -> int:
@@ -123,12 +147,12 @@ def _grouped(q, k_blk, v_blk, k_ctx, v_ctx, plan: KeyGroups, scale):
             kc = vc = k_blk.new_zeros(b, 0, *k_blk.shape[2:])
         keys = torch.cat([kc, k_blk[bk.blocks].reshape(b, gm * own, *k_blk.shape[2:])], 1).transpose(1, 2)
         values = torch.cat([vc, v_blk[bk.blocks].reshape(b, gm * own, *v_blk.shape[2:])], 1).transpose(1, 2)
-        same = torch.eye(gm, dtype=torch.bool, device=q.device)[:, :, None].expand(gm, gm, own).reshape(gm, gm * own)
-        mask = torch.cat([bk.mask_ctx, same.expand(b, gm, gm * own)], 2)  # [B, G, K + G·own]
-        mask = mask[:, :, None, :].expand(b, gm, g, mask.shape[-1]).reshape(b, 1, gm * g, mask.shape[-1])
-        out = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=scale, enable_gqa=h != k_blk.shape[2])
-        outs.append(out.transpose(1, 2).reshape(b, gm, g, h, hd)[bk.real])
-    return torch.cat(outs)[plan.order]
+        if bk.mask.shape[2:] != (gm * g, keys.shape[2]):
+            raise ValueError(f"KeyGroups built for {bk.mask.shape[2] // gm} slots per block, attention has {g} queries"
+                             f" and {own} own keys per block: build them with slots={g}")
+        out = F.scaled_dot_product_attention(qq, keys, values, attn_mask=bk.mask, scale=scale, enable_gqa=h != k_blk.shape[2])
+        outs.append(out.transpose(1, 2).reshape(b * gm, g, h, hd).index_select(0, bk.real))
+    return torch.cat(outs).index_select(0, plan.order)
 
 
 def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,

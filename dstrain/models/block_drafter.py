@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from dstrain.data.packing import PackedBlocks
-from dstrain.models.attention import KeyGroups
 from dstrain.models.contract import DraftOutput, Proposal, TargetSpec
 from dstrain.models.heads import ConfidenceHead, MarkovHead, RNNHead
 from dstrain.models.hyper import HyperConnection, HyperHead
@@ -97,9 +96,11 @@ class BlockDrafter(nn.Module):
         aux = x.new_zeros((), dtype=torch.float32)
         if self.streams:
             x = x.unsqueeze(-2).expand(-1, -1, self.streams, -1).contiguous()
-        # blocks with overlapping key ranges share one slice of the context keys (no per-block copies)
-        keys = KeyGroups.build(packed.key_index, x.shape[1])
-        keys = packed.key_index if keys is None else keys
+        # blocks with overlapping key ranges share one slice of the context keys (no per-block copies): groups that
+        # packing built on the host; without them (a decoding session's blocks, or groups built for another slot
+        # count) the per-block layout
+        groups = packed.key_groups
+        keys = groups if groups is not None and groups.slots == x.shape[1] else packed.key_index
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.context_kv(ctx, packed.ctx_pos)
             attend = lambda h: layer.attend(h, block_pos, k_ctx, v_ctx, keys)  # noqa: E731

@@ -68,7 +68,8 @@ def train(recipe) -> int:
 
             target = colocated_target(recipe, world.device)
             frozen = from_target(target)  # the target's own embedding and LM head: on world.device with it
-        source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device)
+        source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device,
+                             vocab=frozen.lm_head.weight.shape[0])
     trainer = Trainer(recipe, frozen, source, run_dir, world, **({"verified_tag": verified} if world.is_main else {}))
     summary = trainer.train()
     mark_done()
@@ -184,5 +185,5 @@ def channel_source(recipe, world, frozen):
                         path=getattr(world, "channel_path", "host"), device=getattr(world, "device", "cpu"),
                         host_group=getattr(world, "host_group", None))
     replica_ranks = [lay.target_rank(t, replica, s) for s in range(lay.pp) for t in range(lay.tp)]
-    return ChannelSource(receiver, replica_ranks, recipe)
+    return ChannelSource(receiver, replica_ranks, recipe, vocab=frozen.lm_head.weight.shape[0])
 

@@ -24,6 +24,7 @@ would not equal the reference's).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -89,10 +90,69 @@ def _distinct(index: torch.Tensor):
     return (rows, inverse) if len(rows) <= 0.9 * len(index) else (index, None)
 
 
+@dataclass
+class VocabChunks:
+    """Which rows of each loss chunk share a table row, found on the host while packing (torch.unique inside the
+    step would make the host wait for the device on a GPU). Per chunk (lo = i·rows) and table (markov, target):
+    None (sharing saves under a tenth: every row its own) or (first [U], inverse [m]) with index[lo:hi][first] the
+    chunk's distinct table rows in ascending order — what _distinct finds, as positions, so compacting the target
+    rows (runtime/channel.compact, a monotone renumbering) leaves the plan valid."""
+
+    rows: int
+    markov: list
+    target: list
+
+    def map(self, fn) -> "VocabChunks":
+        return VocabChunks(self.rows, *([None if c is None else (fn(c[0]), fn(c[1])) for c in side]
+                                        for side in (self.markov, self.target)))
+
+
+def _distinct_positions(index: torch.Tensor):
+    values, inverse = torch.unique(index, return_inverse=True)
+    if len(values) > 0.9 * len(index):
+        return None
+    first = torch.empty(len(values), dtype=torch.long).scatter_(0, inverse, torch.arange(len(index)))
+    return first, inverse
+
+
+def vocab_chunks(markov_index: torch.Tensor | None, target_index: torch.Tensor, rows: int) -> VocabChunks:
+    """The host-side plan of vocab_loss's chunks of `rows` rows (host tensors in, host tensors out)."""
+    n = len(target_index)
+    starts = range(0, n, max(1, rows))
+    markov = [None if markov_index is None else _distinct_positions(markov_index[lo:lo + rows]) for lo in starts]
+    return VocabChunks(max(1, rows), markov, [_distinct_positions(target_index[lo:lo + rows]) for lo in starts])
+
+
+def default_chunk_rows(n: int, vocab: int, device, budget_mb: float | None = None) -> int:
+    """vocab_loss's rows per chunk when not given: a memory budget of 96 MB on the CPU, an eighth of the free
+    memory on a GPU (asking for it waits for the device: call it before the step)."""
+    if budget_mb is None:
+        budget_mb = _free_cuda_mb(device) / 8 if torch.device(device).type == "cuda" else 96.0
+    return _chunk_rows(n, vocab, budget_mb)
+
+
+def plan_vocab_chunks(packed, vocab: int, device="cpu", rows_per_chunk: int | None = None):
+    """`packed` (host tensors) with its loss chunks planned for a vocabulary of `vocab` (train.step.draft_losses
+    then needs no torch.unique and no free-memory query inside the step)."""
+    n = packed.final_rows.numel()
+    rows = rows_per_chunk or default_chunk_rows(n, vocab, device)
+    return replace(packed, loss_chunks=vocab_chunks(packed.prev_inverse, packed.final_rows.reshape(-1), rows))
+
+
+def _chunk_table(plan, i: int, index: torch.Tensor):
+    """(table rows, inverse or None) of chunk i: from the host's plan when there is one, else torch.unique here."""
+    if plan is None:
+        return _distinct(index)
+    if plan[i] is None:
+        return index, None
+    first, inverse = plan[i]
+    return index.index_select(0, first), inverse
+
+
 class _FusedVocabLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_draft, markov_a, markov_w2, markov_index, target_hidden, target_index, lm_weight, labels, coef_ce,
-                coef_tv, rows):
+                coef_tv, rows, chunks):
         lowp = _lowp_gemms(h_draft, target_hidden, markov_a, markov_w2, lm_weight)
         if lowp:  # GEMM operands as they are; per-row math in fp32
             g_d, g_t, g_a, w, w2 = h_draft, target_hidden, markov_a, lm_weight, markov_w2
@@ -111,12 +171,12 @@ class _FusedVocabLoss(torch.autograd.Function):
         valid = labels != IGNORE
         # three chunk buffers reused by every chunk (fresh multi-MB tensors page-fault on the CPU each time)
         u_buf, t_buf, d_buf = (torch.empty(min(rows, n), w.shape[0], device=dev, dtype=dtype) for _ in range(3))
-        for lo in range(0, n, rows):
+        for i, lo in enumerate(range(0, n, rows)):
             hi = min(lo + rows, n)
             m = hi - lo
             u = _gemm(g_d[lo:hi], w.T, lowp, out=u_buf[:m])  # draft logits [rows, V]
             if g_a is not None:  # the Markov bias once per distinct previous token of the chunk
-                a_rows, a_inv = _distinct(markov_index[lo:hi])
+                a_rows, a_inv = _chunk_table(chunks and chunks.markov, i, markov_index[lo:hi])
                 if a_inv is None:
                     u += _gemm(g_a[a_rows], w2, lowp, out=t_buf[:m])
                 else:
@@ -129,7 +189,7 @@ class _FusedVocabLoss(torch.autograd.Function):
             # log-normaliser from the most likely token, whose probability (>= 1/V) cannot underflow
             lse_d = u_max - p_d.gather(1, arg[:, None]).squeeze(1).log()
             # target logits once per distinct row: overlapping blocks of a sequence share rows
-            t_rows, t_inv = _distinct(target_index[lo:hi])
+            t_rows, t_inv = _chunk_table(chunks and chunks.target, i, target_index[lo:hi])
             t = _gemm(g_t[t_rows], w.T, lowp, out=t_buf[: len(t_rows)])
             p_t = _softmax(t, u_buf[: len(t_rows)])
             if t_inv is None:
@@ -167,7 +227,7 @@ class _FusedVocabLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_total, _g_ce, _g_tv):
-        out = [None] * 11
+        out = [None] * 12
         for i, (grad, like) in enumerate(zip(ctx.saved_tensors, ctx.like)):
             if ctx.needs_input_grad[i] and g_total is not None:
                 out[i] = grad.mul_(g_total).to(like)  # forward's gradient is ours alone: scale it in place
@@ -177,7 +237,8 @@ class _FusedVocabLoss(torch.autograd.Function):
 def vocab_loss(h_draft: torch.Tensor, target_hidden: torch.Tensor, lm_weight: torch.Tensor, labels: torch.Tensor,
                coef_ce: torch.Tensor, coef_tv: torch.Tensor, markov_a: torch.Tensor | None = None,
                markov_w2: torch.Tensor | None = None, target_index: torch.Tensor | None = None,
-               markov_index: torch.Tensor | None = None, rows_per_chunk: int | None = None, budget_mb: float | None = None):
+               markov_index: torch.Tensor | None = None, rows_per_chunk: int | None = None, budget_mb: float | None = None,
+               chunks: VocabChunks | None = None):
     """(Σ c_ce·CE + c_tv·‖p_d − p_t‖₁, CE [N], TV [N]): the sum differentiable with respect to h_draft, markov_a and
     markov_w2; CE (0 where labels == IGNORE) and TV per position, detached (metrics, the confidence label).
 
@@ -185,6 +246,7 @@ def vocab_loss(h_draft: torch.Tensor, target_hidden: torch.Tensor, lm_weight: to
     markov_a[markov_index[n]] (default: the identity), so rows that blocks share are multiplied by the LM head
     (or W₂) once. rows_per_chunk=None picks it from a memory budget (budget_mb=None: 96 MB on the CPU, an eighth of
     the free memory on a GPU), at least 256 rows so each chunk's GEMMs are worth streaming the LM head for.
+    chunks: the host's plan of which rows each chunk shares (vocab_chunks; its row count wins), else found here.
     """
     if (markov_a is None) != (markov_w2 is None):
         raise ValueError("markov_a and markov_w2 go together")
@@ -192,12 +254,12 @@ def vocab_loss(h_draft: torch.Tensor, target_hidden: torch.Tensor, lm_weight: to
     identity = torch.arange(n, device=h_draft.device)
     target_index = identity if target_index is None else target_index
     markov_index = identity if markov_index is None else markov_index
-    if rows_per_chunk is None:
-        if budget_mb is None:
-            budget_mb = _free_cuda_mb(h_draft.device) / 8 if h_draft.is_cuda else 96.0
-        rows_per_chunk = _chunk_rows(n, vocab, budget_mb)
+    if chunks is not None:
+        rows_per_chunk = chunks.rows
+    elif rows_per_chunk is None:
+        rows_per_chunk = default_chunk_rows(n, vocab, h_draft.device, budget_mb)
     return _FusedVocabLoss.apply(h_draft, markov_a, markov_w2, markov_index, target_hidden.detach(), target_index,
-                                 lm_weight.detach(), labels, coef_ce.detach(), coef_tv.detach(), max(1, rows_per_chunk))
+                                 lm_weight.detach(), labels, coef_ce.detach(), coef_tv.detach(), max(1, rows_per_chunk), chunks)
 
 
 def _free_cuda_mb(device) -> float:

@@ -34,9 +34,10 @@ class MicroBatch:
 class LocalSource:
     """`device`: where the micro-batches go (the target's and the drafter's device); packing runs on the CPU."""
 
-    def __init__(self, target, loader, recipe, cache=None, device=None):
-        """`cache`: a step.FeatureCache or a feature_store.FeatureStore (or None: the target runs every visit)."""
-        self.target, self.loader, self.recipe, self.cache = target, loader, recipe, cache
+    def __init__(self, target, loader, recipe, cache=None, device=None, vocab: int | None = None):
+        """`cache`: a step.FeatureCache or a feature_store.FeatureStore (or None: the target runs every visit).
+        `vocab`: the LM head's rows, to plan the loss chunks while packing (None: the step finds shared rows itself)."""
+        self.target, self.loader, self.recipe, self.cache, self.vocab = target, loader, recipe, cache, vocab
         self.device = torch.device(device or "cpu")
         self._stream = None
         self.feature_s = 0.0  # time spent getting target features (forward or cache): what a warm cache saves
@@ -49,7 +50,7 @@ class LocalSource:
         out = []
         for _ in range(r.train.grad_accum):
             samples = [next(self._stream) for _ in range(r.train.micro_batch_size)]
-            out.append(MicroBatch(samples, pack_step(r, samples, step).to(self.device), self))
+            out.append(MicroBatch(samples, pack_step(r, samples, step, self.vocab, self.device).to(self.device), self))
         return out
 
     def features(self, samples: list[Sample]) -> TargetFeatures:  # lazily, one micro-batch at a time
@@ -76,8 +77,8 @@ class LocalSource:
 
 
 class ChannelSource:
-    def __init__(self, receiver: Receiver, resume_to: list[int], recipe):
-        self.receiver, self.resume_to, self.recipe = receiver, resume_to, recipe
+    def __init__(self, receiver: Receiver, resume_to: list[int], recipe, vocab: int | None = None):
+        self.receiver, self.resume_to, self.recipe, self.vocab = receiver, resume_to, recipe, vocab
         self.loader_state: dict | None = None
 
     def start(self, step: int) -> None:
@@ -93,7 +94,7 @@ class ChannelSource:
             got = self.receiver.receive(more=step + 1 < r.train.steps or mb + 1 < r.train.grad_accum)
             if got.step != step:
                 raise RuntimeError(f"channel out of step: drafter at step {step}, target sent step {got.step}")
-            packed = pack_step(r, got.samples, step)
+            packed = pack_step(r, got.samples, step, self.vocab, self.receiver.device)
             ctx, finals = needed_rows(packed)
             if (len(ctx), len(finals)) != (got.captured.shape[0], got.final_hidden.shape[0]):
                 raise RuntimeError(f"channel: target sent {got.captured.shape[0]}/{got.final_hidden.shape[0]} rows, the"

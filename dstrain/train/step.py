@@ -7,7 +7,7 @@ packing, the drafter and the losses are the same code.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,7 +15,7 @@ from dstrain.data.anchors import anchor_generator, sample_anchors
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks, pack_blocks
 from dstrain.models.heads import MarkovHead
-from dstrain.train.losses import drafter_loss_sums, position_weights, vocab_loss
+from dstrain.train.losses import drafter_loss_sums, plan_vocab_chunks, position_weights, vocab_loss
 
 
 @dataclass
@@ -91,10 +91,11 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
     return TargetFeatures(torch.cat([c.to(device) for c in captured]), torch.cat([f.to(device) for _, f in parts]))
 
 
-def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int) -> PackedBlocks:
+def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int,
+                 slots: int | None = None) -> PackedBlocks:
     anchors = [sample_anchors(s.loss_mask, anchors_per_seq, anchor_generator(seed, s.meta["id"], epoch)) for s in samples]
     return pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], anchors, gamma,
-                       mask_token_id=0, window=window)
+                       mask_token_id=0, window=window, slots=slots)
 
 
 class DraftStep(torch.nn.Module):
@@ -114,10 +115,13 @@ class DraftStep(torch.nn.Module):
         return draft_losses(self.drafter, lm_head, packed, feats, loss_cfg)
 
 
-def pack_step(recipe, samples: list[Sample], step: int) -> PackedBlocks:
-    """The packing of one training step's micro-batch: what both sides of a disaggregated run compute alike."""
-    return pack_samples(samples, recipe.drafter.block_size, recipe.anchors.per_sequence, recipe.drafter.sliding_window,
-                        recipe.run.seed, step)
+def pack_step(recipe, samples: list[Sample], step: int, vocab: int | None = None, device="cpu") -> PackedBlocks:
+    """The packing of one training step's micro-batch: what both sides of a disaggregated run compute alike.
+    `vocab`: also plan the loss chunks for a vocabulary this size on `device` (the drafter side; host work)."""
+    d = recipe.drafter
+    packed = pack_samples(samples, d.block_size, recipe.anchors.per_sequence, d.sliding_window, recipe.run.seed, step,
+                          slots=d.block_size + (0 if d.sample_from_anchor else 1))
+    return packed if vocab is None else plan_vocab_chunks(packed, vocab, device)
 
 
 def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats: TargetFeatures, loss_cfg,
@@ -126,18 +130,25 @@ def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats:
     out = drafter(packed, feats.captured[packed.ctx_rows])
     n, gamma, d = out.hidden.shape
     factor = markov_index = None
+    # the loss chunks' shared rows as packing planned them (no torch.unique in the step) when the chunk size agrees
+    chunks = packed.loss_chunks if packed.loss_chunks is not None and rows_per_chunk in (None, packed.loss_chunks.rows) else None
     # Markov: W₁ rows once per distinct previous token (overlapping blocks share positions, text repeats tokens)
     if isinstance(getattr(drafter, "seq_head", None), MarkovHead):
-        tokens, markov_index = torch.unique(packed.prev_tokens.reshape(-1), return_inverse=True)
+        if packed.prev_distinct is not None:  # found while packing, on the host
+            tokens, markov_index = packed.prev_distinct, packed.prev_inverse
+        else:
+            tokens, markov_index = torch.unique(packed.prev_tokens.reshape(-1), return_inverse=True)
         factor = drafter.seq_head.w1(tokens)
     elif out.seq_factor is not None:
         factor = out.seq_factor.reshape(n * gamma, -1)
+        if chunks is not None:  # one factor row per position: nothing shared (the plan's Markov sharing is W₁'s)
+            chunks = replace(chunks, markov=[None] * len(chunks.markov))
     w = (position_weights(gamma, loss_cfg.gamma_decay, out.hidden.device)[None, :] * packed.valid).reshape(-1)
     # the target's final states are read by row (final_rows), so rows shared by overlapping blocks are projected once
     total, ce, tv = vocab_loss(out.hidden.reshape(-1, d), feats.final_hidden, lm_head.weight, packed.labels.reshape(-1),
                                loss_cfg.alpha_ce * w, loss_cfg.alpha_tv * w, factor, drafter.seq_w2 if factor is not None else None,
                                target_index=packed.final_rows.reshape(-1), markov_index=markov_index,
-                               rows_per_chunk=rows_per_chunk)
+                               rows_per_chunk=rows_per_chunk, chunks=chunks)
     ce, tv = ce.view(n, gamma), tv.view(n, gamma)
     sums = drafter_loss_sums(ce, tv, out.confidence_logits, packed.valid, loss_cfg.gamma_decay,
                              loss_cfg.alpha_ce, loss_cfg.alpha_tv, loss_cfg.alpha_conf, vocab_total=total)
