@@ -5,7 +5,7 @@ metadata on the side group; "host": everything on the side group, staged through
 streams MICRO_BATCHES micro-batches (lead + rows from the same rank) with depth 2 while the drafter is slow
 to take them; then a resume message goes over the side group. On this CPU machine the default group is
 gloo too, so the "nccl" path runs its own bookkeeping (routing, is_completed polling, in-flight bound) with
-the same tensors on device=cpu. Prints CHANNEL <json> per rank.
+the same tensors on device=cpu. Rank 0 prints CHANNEL <json> for each rank.
 """
 
 import json
@@ -71,5 +71,9 @@ for path in ("nccl", "host"):
         report[path] = {"equal": equal, "received": rx.traffic.received,
                         "resume": list(recv_resume(0, group=side))}
     dist.barrier()
-print("CHANNEL " + json.dumps({"rank": rank, **report}), flush=True)
+reports = [None] * dist.get_world_size()
+dist.all_gather_object(reports, {"rank": rank, **report})  # one process prints: two ranks' lines would interleave on the pipe
+if rank == 0:
+    for one in reports:
+        print("CHANNEL " + json.dumps(one), flush=True)
 dist.destroy_process_group()
