@@ -105,7 +105,8 @@ def test_drafter_reassembles_captured_layers_in_the_recipe_order():
 
     lay = Layout(tp=1, pp=2, dp=1, ep=1, drafters=1, disaggregated=True)
     world = SimpleNamespace(layout=lay, drafter_index=0)
-    frozen = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=4), capture_layers=[2, 0, 1])
+    frozen = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=4), capture_layers=[2, 0, 1],
+                             lm_head=SimpleNamespace(weight=torch.empty(32, 8)))  # its vocabulary plans the loss chunks
     recipe = SimpleNamespace(world=SimpleNamespace(target=SimpleNamespace(pipeline_layers=None)))  # equal stages
     source = channel_source(recipe, world, frozen)
     rx = source.receiver
