@@ -3,8 +3,8 @@
 job step), and the run saves at the next step boundary instead of losing up to `train.checkpoint_every` steps.
 
 - The handler only sets a flag: no work inside a signal handler (the main thread may be inside a collective).
-- At each step boundary the drafter ranks agree: a MAX all-reduce of the flag over the drafter group (one int per
-  step; a rank whose signal landed a moment later still saves the same step as the others).
+- At each step boundary the drafter ranks agree: a MAX all-reduce of the flag over a gloo group of the drafters
+  (one int per step, on the host: no device sync; a rank whose signal landed a moment later still saves the same step as the others).
 - Every drafter rank takes part in the collective save of that step, then the main one sets a key in the rendezvous
   store; the target ranks' watchdog threads see it and end their processes with code 0 (their main threads may be
   blocked sending micro-batches no drafter will take).
@@ -37,9 +37,11 @@ def requested() -> bool:
     return _REQUESTED["flag"]
 
 
-def agreed(group=None, device=None) -> bool:
-    """Whether any drafter rank has the notice: called by every drafter rank at the same step boundary."""
-    flag = torch.tensor([int(_REQUESTED["flag"])], device=device or "cpu")
+def agreed(group=None) -> bool:
+    """Whether any drafter rank has the notice: called by every drafter rank at the same step boundary. `group` is
+    a gloo group over the drafters (World.drafter_host_group): a CPU flag read back on a CUDA run would make the
+    host wait for the GPU's queued work every step."""
+    flag = torch.tensor([int(_REQUESTED["flag"])])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())

@@ -187,6 +187,7 @@ class World:
     target_groups: object = None  # megatron ProcessGroupCollection on target ranks
     backend: str = "gloo"  # of the default group and of every target/drafter group (nccl on CUDA runs)
     host_group: object = None  # gloo over every rank: what stays on the host (channel headers, resume messages)
+    drafter_host_group: object = None  # gloo over the drafter ranks: per-step agreements read on the host, no device sync
     channel_path: str = "host"  # channel.channel_path: "nccl" or "host"
 
     @property
@@ -309,6 +310,7 @@ def init_world(recipe) -> World:
     world = World(rank, size, local, layout, device=device, backend=backend)
     if not layout.disaggregated:
         world.drafter_group = dist.group.WORLD
+        world.drafter_host_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
         return world
     build_groups(world)
     from dstrain.runtime.channel import PATHS, channel_path
@@ -328,10 +330,11 @@ def build_groups(world: World) -> None:
     self_groups, _ = dist.new_subgroups_by_enumeration([[r] for r in drafters])
     # last, so the groups above keep their creation order; on a gloo world it is just another gloo group
     world.host_group = dist.new_group(backend="gloo")
+    drafter_host = drafter_group if world.backend == "gloo" else dist.new_group(drafters, backend="gloo")
     if world.role == "target":
         world.target_groups = pgs
     else:
-        world.drafter_group = drafter_group
+        world.drafter_group, world.drafter_host_group = drafter_group, drafter_host
         world.mpu = DrafterMPU(drafter_group, self_groups)
 
 

@@ -83,6 +83,7 @@ class Trainer:
         self.recipe, self.source, self.run_dir = recipe, source, run_dir
         self.frozen, self.lm_head = frozen, frozen.lm_head
         self.group = world.drafter_group
+        self.host_group = getattr(world, "drafter_host_group", None) or self.group  # gloo: host-side agreements
         self.device = getattr(world, "device", torch.device("cpu"))  # DeepSpeed's accelerator device: the same
         self.dp_world, self.is_main = world.num_drafters, world.is_main
         if world.mpu is not None:
@@ -356,7 +357,7 @@ class Trainer:
                     t_last, window = now, {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
                 stop = done = self.live_eval is not None and self.live_eval.should_stop()
                 # one one-int all-reduce per step over the drafters; a notice at the last step changes nothing
-                preempted = preemption.agreed(self.group, self.device) and self.step < r.train.steps
+                preempted = preemption.agreed(self.host_group) and self.step < r.train.steps
                 if stop or preempted or self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
                     progress(self.step, "save")
                     self.save()
