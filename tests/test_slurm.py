@@ -160,7 +160,13 @@ def test_sbatch_survives_a_requeue_and_a_preemption_notice_without_losing_or_rep
         time.sleep(0.3)
     elapsed = time.time() - started
     script_log = "\n".join(p.read_text() for p in tmp_path.glob("job-*.out"))
-    assert state.get("JobState") == "COMPLETED", (state, script_log[-3000:], seen)
+    if state.get("JobState") != "COMPLETED":  # everything needed to tell which start failed and why, in full
+        node_log = (logs / "node-0.log").read_text() if (logs / "node-0.log").exists() else "(no node log)"
+        ctld = (tmp_path / "slurm" / "slurmctld.log").read_text()
+        pytest.fail(f"job {job} ended {state.get('JobState')} (exit {state.get('ExitCode')}, restarts {state.get('Restarts')},"
+                    f" reason {state.get('Reason')}); seen {seen}\n--- batch script ---\n{script_log[-4000:]}\n--- node 0, "
+                    f"step lines left out ---\n{chr(10).join(x for x in node_log.splitlines() if not x.startswith('step '))[-8000:]}"
+                    f"\n--- slurmctld ---\n{ctld[-3000:]}", pytrace=False)
     assert noticed_at is not None and int(state.get("Restarts", "0")) == 2, (state, seen)
     assert "node 0 localhost: ranks 0-2 (drafter+target)" in script_log, script_log
     assert "USR1: asking the training processes for a checkpoint" in script_log and "requeueing job" in script_log, script_log
