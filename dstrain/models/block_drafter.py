@@ -6,7 +6,7 @@ concat → Linear(m·d → d, no bias) → RMSNorm once, then projected by every
 projections and injected as extra keys/values. Sliding window, "strictly before the anchor" and
 "blocks never see each other" are all carried by the packed key indices (data/packing.py).
 With mHC (drafter.mhc.enabled) the residual is n streams and each sublayer is wrapped by a
-HyperConnection (models/hyper.py); the context k/v injection is unchanged.
+HyperConnection (blocks/mhc.py, the V4 target's own); the context k/v injection is unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from dstrain.data.packing import PackedBlocks
 from dstrain.models.contract import DraftOutput, Proposal, TargetSpec
 from dstrain.models.heads import ConfidenceHead, MarkovHead, RNNHead
-from dstrain.models.hyper import HyperConnection, HyperHead
+from dstrain.blocks.mhc import HyperConnection, HyperHead
 from dstrain.models.layers import MoE, BlockLayer, RMSNorm, attention_shape, make_ffn
 
 

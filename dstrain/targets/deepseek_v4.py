@@ -166,9 +166,9 @@ def rank_plan(cfg, at: RankCoords) -> list[Param]:
         plan.append(Param("embedding.weight", [rows("model.embed_tokens.weight", (cfg.vocab_size, d), tp, r)]))
     if at.last:
         plan.append(Param("decoder.final_layernorm.weight", [full("model.norm.weight", (d,))]))
-    plan += [Param("decoder.hc_head.hc_fn", [full("model.hc_head.hc_fn", (n, n * d))]),
-             Param("decoder.hc_head.hc_base", [full("model.hc_head.hc_base", (n,))]),
-             Param("decoder.hc_head.hc_scale", [full("model.hc_head.hc_scale", (1,))])]
+    plan += [Param("decoder.hc_head.fn", [full("model.hc_head.hc_fn", (n, n * d))]),
+             Param("decoder.hc_head.base", [full("model.hc_head.hc_base", (n,))]),
+             Param("decoder.hc_head.scale", [full("model.hc_head.hc_scale", (1,))])]
     for local in range(at.layers_per_stage):
         layer = at.layer_offset + local
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."

@@ -26,6 +26,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
+from dstrain.blocks.mhc import unweighted_rms
+
 QUERY_BLOCK = 128  # queries per attention block (tests lower it to exercise several blocks)
 
 
@@ -41,10 +43,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)
-
-
-def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class Rope:

@@ -22,53 +22,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
 
-from dstrain.targets.v4_attention import RMSNorm, Rope, V4Dims, unweighted_rms
-
-
-class HyperConnection(nn.Module):
-    """mHC around one sublayer: from the n streams, a pre-mix (streams → sublayer input), a post-mix (sublayer
-    output → streams) and a stream-mixing matrix made doubly stochastic by Sinkhorn-Knopp. fp32 throughout."""
-
-    def __init__(self, dims: V4Dims):
-        super().__init__()
-        n = dims.hc_mult
-        self.n, self.iters, self.hc_eps, self.eps = n, dims.hc_iters, dims.hc_eps, dims.eps
-        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * dims.hidden, dtype=torch.float32))
-        self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
-
-    def forward(self, streams: torch.Tensor):
-        """streams [..., n, d] -> (post [..., n], comb [..., n, n], sublayer input [..., d])."""
-        n, eps = self.n, self.hc_eps
-        mix = F.linear(unweighted_rms(streams.flatten(-2).float(), self.eps), self.fn.float())
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], n, n) * s_comb + comb_b.view(n, n), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
-
-
-class HyperHead(nn.Module):
-    """The final collapse of the n streams (hc_head): a learned, input-dependent weighted sum."""
-
-    def __init__(self, dims: V4Dims):
-        super().__init__()
-        n = dims.hc_mult
-        self.eps, self.hc_eps = dims.eps, dims.hc_eps
-        self.hc_fn = nn.Parameter(torch.empty(n, n * dims.hidden, dtype=torch.float32))
-        self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
-        self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mix = F.linear(unweighted_rms(streams.flatten(-2).float(), self.eps), self.hc_fn.float())
-        pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+from dstrain.blocks.mhc import HyperConnection, HyperHead
+from dstrain.targets.v4_attention import RMSNorm, Rope, V4Dims
 
 
 SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
@@ -124,31 +79,24 @@ class V4Layer(MegatronModule):
                  layer_type: str, hashed: bool):
         super().__init__(config)
         self.hashed = hashed
-        self.attn_hc, self.ffn_hc = HyperConnection(dims), HyperConnection(dims)
+        self.attn_hc, self.ffn_hc = (HyperConnection(dims.hidden, dims.hc_mult, dims.hc_iters, dims.hc_eps, dims.eps, empty=True)
+                                     for _ in range(2))
         self.input_layernorm = RMSNorm(dims.hidden, dims.eps)
         self.self_attention = build_module(submodules.self_attention, config=config, dims=dims, layer_type=layer_type,
                                            pg_collection=pg_collection)
         self.pre_mlp_layernorm = RMSNorm(dims.hidden, dims.eps)
         self.mlp = build_module(submodules.mlp, config=config, layer_number=layer_number, pg_collection=pg_collection)
 
-    @staticmethod
-    def _merge(post, comb, out, streams):
-        dtype = streams.dtype
-        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)  # comb[j, k] takes stream j into stream k
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
-
     def forward(self, streams: torch.Tensor, ctx: Context) -> torch.Tensor:
         """streams [T, B, n, d] -> [T, B, n, d]."""
-        post, comb, x = self.attn_hc(streams)
-        streams = self._merge(post, comb, self.self_attention(self.input_layernorm(x), ctx), streams)
-        post, comb, x = self.ffn_hc(streams)
+        streams, _ = self.attn_hc(streams, lambda x: self.self_attention(self.input_layernorm(x), ctx))
         if self.hashed:
             self.mlp.router.token_ids = ctx.token_ids
         try:
-            out, _ = self.mlp(self.pre_mlp_layernorm(x))
+            streams, _ = self.ffn_hc(streams, lambda x: self.mlp(self.pre_mlp_layernorm(x)))  # mlp: (out, bias)
         finally:
             self.mlp.router.token_ids = None
-        return self._merge(post, comb, out, streams)
+        return streams
 
 
 class V4Block(MegatronModule):
@@ -159,7 +107,7 @@ class V4Block(MegatronModule):
         super().__init__(config)
         self.layers = nn.ModuleList(build_module(spec, config=config, layer_number=offset + i + 1,
                                                  pg_collection=pg_collection) for i, spec in enumerate(layer_specs))
-        self.hc_head = HyperHead(dims)  # every stage: captured layers are read out through it
+        self.hc_head = HyperHead(dims.hidden, dims.hc_mult, dims.hc_eps, dims.eps, empty=True)  # every stage: captured layers are read out through it
         self.final_layernorm = RMSNorm(dims.hidden, dims.eps) if post_process else None
 
 
