@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $(STAMP)
 
 test: install slurm
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # Slurm for tests/test_slurm.py: Debian's slurm-wlm (22.05), run as a one-node cluster by the test itself.
 slurm:

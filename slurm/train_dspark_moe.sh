@@ -33,6 +33,19 @@
 #SBATCH --output=logs/%x-%j.out
 set -euo pipefail
 
+# The notice handler comes first: a USR1 that arrives while the script is still starting must not kill it.
+NOTICE= FORWARD=
+notice() {  # Slurm's warning: every training process saves at its next step boundary, then the job is requeued
+  [[ -n "$NOTICE" ]] && return
+  NOTICE=$1
+  echo "$1: asking the training processes for a checkpoint (USR1 to job $SLURM_JOB_ID's steps)"
+  # in the background and bounded: a job Slurm is already ending refuses signals and scancel retries
+  timeout 20 scancel --signal=USR1 "$SLURM_JOB_ID" >/dev/null 2>&1 &
+  FORWARD=$!
+}
+trap 'notice USR1' USR1
+trap 'notice SIGTERM' TERM
+
 RECIPE=${1:?usage: sbatch slurm/train_dspark_moe.sh RECIPE [section.key=value ...]}
 shift
 REPO=${SLURM_SUBMIT_DIR:-$(pwd)}
@@ -77,17 +90,6 @@ export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 echo "job ${SLURM_JOB_ID:-local} (restart ${SLURM_RESTART_COUNT:-0}): $WORLD ranks, rendezvous $MASTER_ADDR:$MASTER_PORT (c10d), logs $LOG_DIR"
 
-NOTICE=
-notice() {  # Slurm's warning: every training process saves at its next step boundary, then the job is requeued
-  [[ -n "$NOTICE" ]] && return
-  NOTICE=$1
-  echo "$1: asking the training processes for a checkpoint (USR1 to job $SLURM_JOB_ID's steps)"
-  # in the background and bounded: a job Slurm is already ending refuses signals and scancel would retry for minutes
-  timeout 20 scancel --signal=USR1 "$SLURM_JOB_ID" >/dev/null 2>&1 &
-}
-trap 'notice USR1' USR1
-trap 'notice SIGTERM' TERM
-
 # One torchrun per node; --kill-on-bad-exit ends every node when one fails (dstrain's watchdog names the rank).
 # srun starts the command without a shell: bash -c reads each node's own SLURM_NODEID. USR1 reaches every process of
 # the step: torchrun (and, until the trainer installs its handler, each worker) ignores it rather than dying of it.
@@ -103,6 +105,10 @@ while true; do  # a trapped signal interrupts wait: wait again until the trainin
   wait "$TRAIN" && code=0 || code=$?
   kill -0 "$TRAIN" 2>/dev/null || break
 done
+if [[ -n "$FORWARD" ]]; then  # a forwarder still retrying would signal the requeued job's next start (same job id)
+  kill "$FORWARD" 2>/dev/null || true
+  wait "$FORWARD" 2>/dev/null || true
+fi
 if [[ -n "$NOTICE" ]]; then
   echo "training stopped after the $NOTICE notice (exit $code): requeueing job $SLURM_JOB_ID; it resumes from the checkpoint"
   scontrol requeue "$SLURM_JOB_ID" || true  # already requeued where Slurm itself requeues a preempted job
