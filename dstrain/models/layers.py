@@ -93,7 +93,8 @@ class MoE(nn.Module):
         aux = self.num_experts * (load.detach() * probs.mean(0)).sum() if self.balance == "aux_loss" else probs.new_zeros(())
         return out.reshape(shape), aux
 
-    def _routed(self, flat: torch.Tensor, top: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _routed(self, flat: torch.Tensor, top: torch.Tensor,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Σ over each token's chosen experts of weight · expert(token), and the (float) pairs routed per expert."""
         expert = top.flatten()  # pair p: token p // top_k, slot p % top_k
         order = expert.argsort(stable=True)  # stable: each expert's rows in token order, as the loop took them
@@ -102,7 +103,8 @@ class MoE(nn.Module):
         counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))  # bincount would sync on CUDA
         offs = counts.cumsum(0, dtype=torch.int32)  # each expert's end row in the sorted pairs
         gate, up = torch._grouped_mm(flat.index_select(0, rows), self.w_gate_up, offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs) * weights.flatten().index_select(0, order)[:, None]
+        y = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
+        y = y * weights.flatten().index_select(0, order)[:, None]
         return torch.zeros_like(flat).index_add_(0, rows, y), counts.float()
 
     def take_load(self) -> torch.Tensor:
