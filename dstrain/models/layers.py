@@ -45,11 +45,22 @@ class MoE(nn.Module):
     """Top-k routed experts (+ optional shared expert). Balance by an auxiliary loss (Switch-style
     E·Σ f_e·P_e, f_e detached) or by DeepSeek-V3's aux-loss-free bias update: a non-trained routing bias, added to
     the router's logits only to choose the top-k (the gating weights stay the unbiased probabilities), moved by
-    `bias_rate` per optimizer step toward equal load."""
+    `bias_rate` per optimizer step toward equal load.
+
+    Dispatch without host syncs (issue 23): the (token, slot) pairs are sorted by expert id (stable), gathered in that
+    order, and both expert matmuls run as one torch._grouped_mm each, with the per-expert offsets computed on the
+    device (scatter_add + cumsum); the weighted results are index_add_-ed back. The op count is independent of E and
+    no size is read back to the host (a loop over experts needs nonzero / numel per expert, bincount a sync on CUDA).
+    _grouped_mm over a padded [E, P, d] bmm: exact forward and backward here (CPU fp32 and bf16, its built-in
+    backward) without E× the FLOPs and memory. Its CUDA kernel (SM90+, bf16: the trainer's DeepSpeed bf16 run) is
+    sync-free; other dtypes / devices take torch's fallback, a per-group mm loop that reads the offsets to the host.
+    It needs 16-byte aligned row strides, so d and inter are multiples of 8 (every drafter width here is)."""
 
     def __init__(self, d: int, inter: int, num_experts: int, top_k: int, shared: bool, balance: str,
                  bias_rate: float = 1e-3):
         super().__init__()
+        if d % 8 or inter % 8:  # _grouped_mm's 16-byte stride alignment in bf16
+            raise ValueError(f"MoE: hidden size {d} and expert width {inter} must be multiples of 8 (grouped GEMM)")
         self.num_experts, self.top_k, self.balance, self.bias_rate = num_experts, top_k, balance, bias_rate
         self.router = nn.Linear(d, num_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.randn(num_experts, d, 2 * inter) * d**-0.5)
@@ -72,22 +83,29 @@ class MoE(nn.Module):
         top = choose.topk(self.top_k, dim=-1).indices
         weights = probs.gather(-1, top)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(flat)
-        for e in range(self.num_experts):
-            rows, slot = torch.nonzero(top == e, as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            gate, up = (flat[rows] @ self.w_gate_up[e]).chunk(2, dim=-1)
-            out.index_add_(0, rows, (F.silu(gate) * up) @ self.w_down[e] * weights[rows, slot, None])
+        out, counts = self._routed(flat, top, weights)
         if self.shared is not None:
             out = out + self.shared(flat)
-        counts = torch.bincount(top.flatten(), minlength=self.num_experts).float()
         load = counts / max(top.numel(), 1)
         self.last_load = load.detach()
         if self.training:
             self.step_counts = self.step_counts.to(counts.device) + counts
         aux = self.num_experts * (load.detach() * probs.mean(0)).sum() if self.balance == "aux_loss" else probs.new_zeros(())
         return out.reshape(shape), aux
+
+    def _routed(self, flat: torch.Tensor, top: torch.Tensor,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Σ over each token's chosen experts of weight · expert(token), and the (float) pairs routed per expert."""
+        expert = top.flatten()  # pair p: token p // top_k, slot p % top_k
+        order = expert.argsort(stable=True)  # stable: each expert's rows in token order, as the loop took them
+        rows = order.div(self.top_k, rounding_mode="floor")
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
+        counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))  # bincount would sync on CUDA
+        offs = counts.cumsum(0, dtype=torch.int32)  # each expert's end row in the sorted pairs
+        gate, up = torch._grouped_mm(flat.index_select(0, rows), self.w_gate_up, offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
+        y = y * weights.flatten().index_select(0, order)[:, None]
+        return torch.zeros_like(flat).index_add_(0, rows, y), counts.float()
 
     def take_load(self) -> torch.Tensor:
         """Counts routed per expert since the last call (the step's), and start counting afresh."""
