@@ -96,3 +96,20 @@ def test_moe_forward_backward_has_no_syncs_and_ops_independent_of_experts():
         assert s["host_ops"] == 0, s["host_ops_by_op"]
         assert s["kernels_by_op"].get("_grouped_mm") == 6  # two forward, four in backward (input and weight grads)
     assert small["kernels"] == large["kernels"] and small["kernels_by_op"] == large["kernels_by_op"]
+
+
+def test_an_unaligned_expert_width_is_one_line_naming_the_key():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from dstrain.errors import UserError
+    from dstrain.models.contract import TargetSpec
+    from dstrain.models.layers import make_ffn
+
+    ffn = SimpleNamespace(type="moe", intermediate_size=100, num_experts=4, top_k=2, shared_expert=False,
+                          balance="aux_loss", bias_update_rate=1e-3)
+    spec = TargetSpec(hidden_size=64, vocab_size=32, num_capture=2, num_heads=4, num_kv_heads=4, intermediate_size=96)
+    with pytest.raises(UserError, match=r"drafter\.ffn\.intermediate_size=100.*multiple of 8"):
+        make_ffn(SimpleNamespace(ffn=ffn), spec)
+    assert isinstance(make_ffn(SimpleNamespace(ffn=SimpleNamespace(**{**vars(ffn), "intermediate_size": 96})), spec), MoE)

@@ -178,5 +178,11 @@ def make_ffn(cfg, spec) -> nn.Module:
     f = cfg.ffn
     inter = f.intermediate_size or spec.intermediate_size
     if f.type == "moe":
+        if spec.hidden_size % 8 or inter % 8:  # the grouped GEMM's 16-byte row alignment
+            from dstrain.errors import UserError
+
+            raise UserError(f"drafter.ffn.type=moe needs the expert width and the target's hidden size to be multiples of 8 "
+                            f"(got drafter.ffn.intermediate_size={inter}, hidden size {spec.hidden_size}): set "
+                            "drafter.ffn.intermediate_size to a multiple of 8, or drafter.ffn.type=dense")
         return MoE(spec.hidden_size, inter, f.num_experts, f.top_k, f.shared_expert, f.balance, f.bias_update_rate)
     return SwiGLU(spec.hidden_size, inter)
