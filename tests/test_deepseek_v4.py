@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, run_tool
+from dstrain.blocks import v4 as v4_blocks
+from dstrain.blocks.v4 import sparse_attention
 from dstrain.errors import UserError
-from dstrain.targets import v4_attention
 from dstrain.targets.deepseek_v4 import ADAPTER, rank_plan
 from dstrain.targets.shard_plan import RankCoords
-from dstrain.targets.v4_attention import sparse_attention, stable_topk
+from dstrain.targets.v4_attention import stable_topk
 from tiny_configs import TINY
 
 TOL = 1.5e-5  # megatron vs transformers, fp32: 10x README's "within 1.5e-6" (was 1e-4: a 70x drift passed)
@@ -46,7 +47,7 @@ def dense_reference(q, kv, sinks, scale, window, entries=None, rate=1, picks=Non
 
 @pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
 def test_blocked_attention_equals_dense_scores(monkeypatch, mode):
-    monkeypatch.setattr(v4_attention, "QUERY_BLOCK", 7)  # blocks that straddle windows and compression boundaries
+    monkeypatch.setattr(v4_blocks, "QUERY_BLOCK", 7)  # blocks that straddle windows and compression boundaries
     g = torch.Generator().manual_seed(0)
     B, T, H, D, W, rate = 2, 45, 3, 8, 6, 4
     q, kv = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, D, generator=g)

@@ -2,7 +2,7 @@
 """Peak memory of DeepSeek-V4 attention at long T: dstrain's megatron module against a dense-score implementation.
 
 The dense one is transformers' own DeepseekV4Attention (eager: a [T × T] sliding-window mask, [heads × T × (T + T/m)]
-scores, their softmax copies). dstrain's (dstrain/targets/v4_attention.py) scores query blocks against their window
+scores, their softmax copies). dstrain's (blocks/v4.py sparse_attention) scores query blocks against their window
 and their compressed entries only. Both run one forward of the same weights on the same input, each in a fresh
 child process, for a CSA layer (indexer top-k) and an HCA layer of a tiny-width V4 (V4-Flash's window 128, rates
 4 / 128, top-512; hidden 32, 4 heads of 16); the peak is the child's max RSS growth during the forward. Outputs are

@@ -47,15 +47,13 @@ def rope_of(cfg) -> dict:
     (V4-Flash: yarn on "compress") take transformers' own frequency function: it defines the config's meaning."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from dstrain.targets.v4_attention import Rope
+    from dstrain.blocks.v4 import Rope
 
     out = {}
     for kind in ("main", "compress"):
         p = cfg.rope_parameters[kind]
         if p.get("rope_type", "default") == "default":
-            dim = int(cfg.head_dim * p.get("partial_rotary_factor", 1.0))
-            inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            out[kind] = Rope(inv, 1.0)
+            out[kind] = Rope.default(int(cfg.head_dim * p.get("partial_rotary_factor", 1.0)), p["rope_theta"])
         else:
             out[kind] = Rope(*ROPE_INIT_FUNCTIONS[p["rope_type"]](cfg, None, layer_type=kind))
     return out

@@ -1,7 +1,8 @@
 """DeepSeek-V4 attention on megatron-core's linears: low-rank q, one shared K=V head with partial RoPE (undone on
 the output), per-head sinks, grouped low-rank output, sliding window, and the CSA / HCA compressed keys.
 
-Semantics follow transformers' DeepseekV4Attention (modeling_deepseek_v4.py); the arithmetic does not:
+Semantics follow transformers' DeepseekV4Attention (modeling_deepseek_v4.py); the arithmetic does not. The plain
+torch pieces (norm, RoPE, the blocked attention with sinks) are dstrain/blocks/v4.py's, shared with the drafter:
 - no [T × T] score tensor. Queries go in blocks of QUERY_BLOCK; a block scores only the keys of its window
   (at most block + window - 1 of them) and its compressed entries: all causal ones (HCA: T/m' entries) or the
   indexer's top-k gathered per query (CSA). The indexer scores queries against the T/m compressed keys in the
@@ -26,43 +27,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
+from dstrain.blocks import v4 as v4_blocks
 from dstrain.blocks.mhc import unweighted_rms
-
-QUERY_BLOCK = 128  # queries per attention block (tests lower it to exercise several blocks)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with an fp32 weight and fp32 arithmetic, cast back once (V4 keeps its norms in fp32)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
-
-
-class Rope:
-    """V4's interleaved RoPE on the trailing `2 × len(inv_freq)` channels of a head."""
-
-    def __init__(self, inv_freq: torch.Tensor, scaling: float):
-        self.inv_freq, self.scaling = inv_freq, scaling
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
-        return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (2i, 2i+1) of x's trailing rope slice; cos/sin broadcast against x[..., :rd/2]."""
-    rd = 2 * cos.shape[-1]
-    nope, rope = x[..., :-rd], x[..., -rd:].float()
-    x1, x2 = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
-    return torch.cat([nope, rotated.to(x.dtype)], -1)
+from dstrain.blocks.v4 import RMSNorm, Rope, causal_entries, grouped_linear, rotate, sparse_attention, unrotate
 
 
 @dataclass(frozen=True)
@@ -124,11 +91,6 @@ class Compressor(MegatronModule):
         return rotate(pooled, cos, sin)
 
 
-def causal_entries(positions: torch.Tensor, rate: int) -> torch.Tensor:
-    """How many compressed entries each query position may see: only windows it has fully read."""
-    return (positions + 1) // rate
-
-
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest along the last dim; among equal scores the lower index comes first."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -157,8 +119,8 @@ class Indexer(MegatronModule):
         w = self.linear_weights(x)[0].float() * self.heads ** -0.5
         keys_t = keys.transpose(-1, -2).float().unsqueeze(1)
         picks = []
-        for s in range(0, T, QUERY_BLOCK):
-            e = min(T, s + QUERY_BLOCK)
+        for s in range(0, T, v4_blocks.QUERY_BLOCK):  # the attention's block size, read at call time
+            e = min(T, s + v4_blocks.QUERY_BLOCK)
             scores = F.relu(torch.matmul(q[:, s:e].float(), keys_t)) * self.dim ** -0.5  # [B, b, H_I, n]
             scores = (scores * w[:, s:e].unsqueeze(-1)).sum(dim=2)
             seen = causal_entries(positions[s:e], self.rate)[:, None]  # [b, 1]
@@ -168,45 +130,6 @@ class Indexer(MegatronModule):
         return torch.cat(picks, 1)
 
 
-def sparse_attention(q, kv, sinks, scale: float, window: int, entries=None, rate: int = 1, picks=None,
-                     positions=None) -> torch.Tensor:
-    """q [B, T, H, D], shared K=V kv [B, T, D], sinks [H]; optional compressed entries [B, n, D], seen causally
-    (HCA, `picks` None) or through the indexer's picks [B, T, k] (CSA). Returns [B, T, H, D]."""
-    B, T, H, _ = q.shape
-    dev = q.device
-    positions = torch.arange(T, device=dev) if positions is None else positions
-    out = torch.empty_like(q)
-    n = 0 if entries is None else entries.shape[1]
-    for s in range(0, T, QUERY_BLOCK):
-        e = min(T, s + QUERY_BLOCK)
-        a = max(0, s - window + 1)
-        qb, keys = q[:, s:e], kv[:, a:e]
-        i, j = torch.arange(s, e, device=dev)[:, None], torch.arange(a, e, device=dev)[None, :]
-        logits = [torch.einsum("bqhd,bkd->bhqk", qb, keys).mul(scale).masked_fill((j > i) | (j <= i - window),
-                                                                                   float("-inf"))]
-        if n and picks is None:  # HCA: every entry this block's last query may see, masked per query
-            ents = entries[:, :int(causal_entries(positions[e - 1], rate))]
-            hidden = torch.arange(ents.shape[1], device=dev)[None, :] >= causal_entries(positions[s:e], rate)[:, None]
-            logits.append(torch.einsum("bqhd,bkd->bhqk", qb, ents).mul(scale).masked_fill(hidden, float("-inf")))
-        elif n:  # CSA: each query's own picks, gathered
-            sel = picks[:, s:e]
-            ents = entries[torch.arange(B, device=dev)[:, None, None], sel.clamp(min=0)]  # [B, b, k, D]
-            logits.append(torch.einsum("bqhd,bqkd->bhqk", qb, ents).mul(scale)
-                          .masked_fill((sel < 0)[:, None], float("-inf")))
-        logits.append(sinks.reshape(1, -1, 1, 1).expand(B, -1, e - s, 1).to(qb.dtype))
-        widths = [t.shape[-1] for t in logits]
-        joint = torch.cat(logits, -1)
-        probs = (joint - joint.max(dim=-1, keepdim=True).values).softmax(-1).to(kv.dtype)
-        parts = probs.split(widths, -1)
-        o = torch.einsum("bhqk,bkd->bqhd", parts[0], keys)
-        if n and picks is None:
-            o = o + torch.einsum("bhqk,bkd->bqhd", parts[1], ents)
-        elif n:
-            o = o + torch.einsum("bhqk,bqkd->bqhd", parts[1], ents)
-        out[:, s:e] = o
-    return out
-
-
 class GroupedOutput(ColumnParallelLinear):
     """V4's grouped low-rank output (wo_a): head group g maps its heads' outputs to its own o_lora block. Its weight
     is a column-parallel [groups × o_lora, heads × head_dim / groups] split by whole groups, so a rank's groups
@@ -214,10 +137,7 @@ class GroupedOutput(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., local groups, in] -> [..., local groups, o_lora]."""
-        groups, fan_in = x.shape[-2], x.shape[-1]
-        w = self.weight.view(groups, -1, fan_in).transpose(1, 2)
-        y = torch.bmm(x.reshape(-1, groups, fan_in).transpose(0, 1), w).transpose(0, 1)
-        return y.reshape(*x.shape[:-1], -1)
+        return grouped_linear(x, self.weight)
 
 
 @dataclass
@@ -281,7 +201,7 @@ class V4Attention(MegatronModule):
             if self.indexer is not None:
                 picks = self.indexer(x, q_res, ctx.rope["compress"], ctx.positions)
         out = sparse_attention(q, kv, self.sinks, self.scale, self.window, entries, self.rate, picks, ctx.positions)
-        out = rotate(out, cos[:, None], -sin[:, None])  # K=V carried RoPE into the values: undo it at the query
+        out = unrotate(out, cos[:, None], sin[:, None])  # K=V carried RoPE into the values: undo it at the query
         out = self.linear_o_a(out.reshape(B, T, self.groups, -1)).flatten(2)
         out, _ = self.linear_proj(out.transpose(0, 1).contiguous())  # [T, B, …]: the sequence-parallel split is dim 0
         return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter
@@ -23,10 +22,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
 
 from dstrain.blocks.mhc import HyperConnection, HyperHead
-from dstrain.targets.v4_attention import RMSNorm, Rope, V4Dims
-
-
-SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
+from dstrain.blocks.v4 import RMSNorm, Rope, route
+from dstrain.targets.v4_attention import V4Dims
 
 
 class V4Router(TopKRouter):
@@ -36,7 +33,7 @@ class V4Router(TopKRouter):
 
     def __init__(self, config, pg_collection=None, *, dims: V4Dims, hashed: bool):
         super().__init__(config=config, pg_collection=pg_collection)
-        self.hashed, self.score, self.routed_scale = hashed, SCORES[dims.scoring], dims.routed_scale
+        self.hashed, self.scoring, self.routed_scale = hashed, dims.scoring, dims.routed_scale
         self.token_ids: torch.Tensor | None = None  # [T·B] in megatron's token order, set by the layer per forward
         if hashed:  # no selection bias on hash layers: the table picks
             del self.expert_bias
@@ -45,15 +42,10 @@ class V4Router(TopKRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask=None):
         logits = logits.view(-1, self.config.num_moe_experts)
-        scores = self.score(logits)
-        if self.hashed:
-            picks = self.tid2eid[self.token_ids].long()
-        else:
-            picks = torch.topk(scores + self.expert_bias, self.topk, dim=-1, sorted=False).indices
-        weights = scores.gather(1, picks)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scale
-        probs = torch.zeros_like(scores).scatter_add_(1, picks, weights)
-        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, picks, True)
+        picks = self.tid2eid[self.token_ids].long() if self.hashed else None
+        weights, picks = route(logits, self.expert_bias, self.topk, self.routed_scale, self.scoring, picks)
+        probs = torch.zeros_like(logits).scatter_add_(1, picks, weights)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, picks, True)
         return probs, routing_map
 
 

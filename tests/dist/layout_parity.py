@@ -30,6 +30,7 @@ from tiny_configs import TINY, per_rank, stage_diff  # noqa: E402
 from v3_parity import BASE as V3_BASE  # noqa: E402
 from v4_parity import MIXED as V4_MIXED, hf_model as v4_hf_model  # noqa: E402
 
+from dstrain.blocks import v4 as v4_blocks  # noqa: E402
 from dstrain.targets import cpu_compat, mcore_patches, v4_attention  # noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
 from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
@@ -101,7 +102,7 @@ def run(name: str, lay: Layout, groups, hf, folder: str, shape, table) -> list[f
 
 
 def main() -> None:
-    v4_attention.QUERY_BLOCK = 16  # several query blocks per sequence
+    v4_blocks.QUERY_BLOCK = 16  # several query blocks per sequence
     tmp = tempfile.mkdtemp(prefix=f"layoutparity{os.environ['RANK']}-")
     models = {}
     for name, (cfg, _, _) in FAMILIES.items():  # save_pretrained before any process group: every rank its own copy

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tiny_configs import TINY, per_rank, stage_diff  # noqa: E402
 
+from dstrain.blocks import v4 as v4_blocks  # noqa: E402
 from dstrain.targets import cpu_compat, v4_attention  # noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
 from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
@@ -133,7 +134,7 @@ SINGLE = [[("single", Layout(tp=1, pp=1, dp=1, ep=1, drafters=0, disaggregated=T
 
 def main() -> None:
     single = sys.argv[1:] == ["single"]
-    v4_attention.QUERY_BLOCK = 16  # several query blocks per sequence
+    v4_blocks.QUERY_BLOCK = 16  # several query blocks per sequence
     tmp = tempfile.mkdtemp(prefix=f"v4parity{os.environ.get('RANK', 's')}-")
     models = {c: (fp8_model if c.endswith("_fp8") else hf_model)(cfg, os.path.join(tmp, c))  # before any process group
               for c, cfg in CASES.items()}

@@ -1,0 +1,198 @@
+"""One DSpark draft layer for DeepSeek-V4 in V4's own layout (the `mtp.{i}` layers vLLM's DSparkDeepseekV4ForCausalLM
+and SGLang's DeepseekV4ForCausalLMDSpark load): V4's decoder layer with sliding-window attention only (compress
+ratio 0: no compressor, no indexer), plain torch, built from dstrain/blocks (mHC, norm, RoPE, sinks, router, SwiGLU).
+
+Attention of a draft step. The block (anchor + noise tokens, positions anchor .. anchor+γ-1) supplies the queries and
+its own keys; the context keys are injected: the engines write kv_norm(wkv(main_x)), RoPE'd at the context
+positions, into each draft layer's own window of `window` positions strictly before the anchor (main_x: the fused
+target features — not this layer's streams, so no mHC, no attn_norm on that path). Keys = [context ∪ block]; a
+boolean mask [B, Q, C + Q] says which each query may see (`draft_mask`: the window before the anchor, and the whole
+block — bidirectional); the sinks sit in the softmax denominator; the output sheds the query's RoPE (K = V carried
+the keys' into the values), then the grouped low-rank output wo_a / wo_b.
+
+This first piece scores densely over [queries] × [context keys ∪ block keys]; the packed training path (many blocks
+of a packed sequence sharing context rows, as models/attention.py packs them) comes next and must equal this.
+
+Names. state_dict() gives V4's release names (DeepSeek's inference code, and what the engines read after `mtp.{i}.`):
+attn.{wq_a, q_norm, wq_b, wkv, kv_norm, attn_sink, wo_a, wo_b}, attn_norm, ffn_norm, ffn.gate.{weight, bias},
+ffn.experts.{e}.w{1,2,3}, ffn.shared_experts.w{1,2,3}, hc_{attn,ffn}_{fn,base,scale}. mHC is blocks/mhc.py's
+HyperConnection (fn / base / scale); HC_NAMES maps its names to the release's on save and back on load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dstrain.blocks.mhc import HyperConnection, unweighted_rms
+from dstrain.blocks.v4 import RMSNorm, Rope, clamped_swiglu, grouped_linear, rotate, route, softmax_with_sinks, unrotate
+
+HC_NAMES = {f"{site}_hc.{p}": f"hc_{site}_{p}" for site in ("attn", "ffn") for p in ("fn", "base", "scale")}
+
+
+@dataclass(frozen=True)
+class V4DraftDims:
+    """What one draft layer needs from the target's DeepseekV4Config (the draft layers are the target's shape)."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora: int
+    o_groups: int
+    o_lora: int
+    window: int
+    experts: int
+    topk: int
+    moe_inter: int
+    routed_scale: float
+    scoring: str
+    swiglu_limit: float
+    hc_mult: int
+    hc_iters: int
+    hc_eps: float
+    eps: float
+
+    @classmethod
+    def from_config(cls, cfg) -> V4DraftDims:
+        return cls(hidden=cfg.hidden_size, heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                   rope_dim=int(cfg.head_dim * cfg.rope_parameters["main"].get("partial_rotary_factor", 1.0)),
+                   q_lora=cfg.q_lora_rank, o_groups=cfg.o_groups, o_lora=cfg.o_lora_rank, window=cfg.sliding_window,
+                   experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size,
+                   routed_scale=float(cfg.routed_scaling_factor), scoring=cfg.scoring_func,
+                   swiglu_limit=float(cfg.swiglu_limit), hc_mult=cfg.hc_mult, hc_iters=cfg.hc_sinkhorn_iters,
+                   hc_eps=cfg.hc_eps, eps=cfg.rms_norm_eps)
+
+
+def draft_mask(anchors: torch.Tensor, context_positions: torch.Tensor, gamma: int, window: int,
+               causal: bool = False) -> torch.Tensor:
+    """[B, γ, C + γ] bool: context keys at positions in [anchor - window, anchor) (a negative position is padding),
+    then the block's γ keys — all of them (DSpark's bidirectional block) or j ≤ i (`causal`)."""
+    a, p = anchors[:, None], context_positions
+    ctx = (p >= 0) & (p >= a - window) & (p < a)  # [B, C]
+    block = torch.ones(gamma, gamma, dtype=torch.bool, device=anchors.device)
+    if causal:
+        block = block.tril()
+    B = anchors.shape[0]
+    return torch.cat([ctx[:, None, :].expand(B, gamma, -1), block.expand(B, -1, -1)], -1)
+
+
+class V4DraftAttention(nn.Module):
+    def __init__(self, dims: V4DraftDims):
+        super().__init__()
+        H, D, g = dims.heads, dims.head_dim, dims.o_groups
+        self.heads, self.head_dim, self.groups, self.eps, self.scale = H, D, g, dims.eps, D ** -0.5
+        self.wq_a = nn.Linear(dims.hidden, dims.q_lora, bias=False)
+        self.q_norm = RMSNorm(dims.q_lora, dims.eps)
+        self.wq_b = nn.Linear(dims.q_lora, H * D, bias=False)
+        self.wkv = nn.Linear(dims.hidden, D, bias=False)
+        self.kv_norm = RMSNorm(D, dims.eps)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.wo_a = nn.Linear(H * D // g, g * dims.o_lora, bias=False)  # block-diagonal: group g's rows read group g
+        self.wo_b = nn.Linear(g * dims.o_lora, dims.hidden, bias=False)
+
+    def context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The keys (K = V) the engines write for this layer: kv_norm(wkv(main_x)), RoPE'd; [B, C, d] -> [B, C, D]."""
+        return rotate(self.kv_norm(self.wkv(main_x)), cos, sin)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """x [B, Q, d] (the block, normed), cos/sin [B, Q, rope/2] at the block positions, context_kv [B, C, D],
+        mask [B, Q, C + Q] -> [B, Q, d]."""
+        B, Q, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, Q, self.heads, self.head_dim)
+        q = rotate(unweighted_rms(q, self.eps), cos[:, :, None], sin[:, :, None])
+        keys = torch.cat([context_kv, self.context_kv(x, cos, sin)], 1)  # the block's own keys: same map, own states
+        logits = torch.einsum("bqhd,bkd->bhqk", q, keys).mul(self.scale).masked_fill(~mask[:, None], float("-inf"))
+        probs = softmax_with_sinks([logits], self.attn_sink, keys.dtype)[0]
+        out = unrotate(torch.einsum("bhqk,bkd->bqhd", probs, keys), cos[:, :, None], sin[:, :, None])
+        return self.wo_b(grouped_linear(out.reshape(B, Q, self.groups, -1), self.wo_a.weight).flatten(2))
+
+
+class V4Expert(nn.Module):
+    """w2(clamped SwiGLU(w1 x, w3 x)): V4's routed and shared experts."""
+
+    def __init__(self, d: int, inter: int, limit: float):
+        super().__init__()
+        self.w1, self.w2, self.w3 = (nn.Linear(d, inter, bias=False), nn.Linear(inter, d, bias=False),
+                                     nn.Linear(d, inter, bias=False))
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class V4Gate(nn.Module):
+    """The router's weight, and its selection bias: a buffer (state dict `gate.bias`) that the aux-loss-free balance
+    moves, never a gradient; it picks experts, the weights are the unbiased scores."""
+
+    def __init__(self, d: int, experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, d))
+        nn.init.normal_(self.weight, std=0.02)
+        self.register_buffer("bias", torch.zeros(experts, dtype=torch.float32))
+
+
+class V4DraftMoE(nn.Module):
+    def __init__(self, dims: V4DraftDims):
+        super().__init__()
+        self.topk, self.routed_scale, self.scoring = dims.topk, dims.routed_scale, dims.scoring
+        self.gate = V4Gate(dims.hidden, dims.experts)
+        self.experts = nn.ModuleList(V4Expert(dims.hidden, dims.moe_inter, dims.swiglu_limit)
+                                     for _ in range(dims.experts))
+        self.shared_experts = V4Expert(dims.hidden, dims.moe_inter, dims.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = F.linear(flat.float(), self.gate.weight.float())  # fp32 gating, as DeepSeek's Gate
+        weights, picks = route(logits, self.gate.bias, self.topk, self.routed_scale, self.scoring)
+        out = torch.zeros_like(flat)
+        for e in picks.unique().tolist():  # dense per-expert loop: the drafter's few tokens per step
+            rows, slot = torch.where(picks == e)
+            out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, slot, None].to(flat.dtype))
+        return (out + self.shared_experts(flat)).view_as(x)
+
+
+class V4DraftLayer(nn.Module):
+    """mHC(attention) then mHC(MoE) on the block's n streams [B, Q, n, d]."""
+
+    def __init__(self, dims: V4DraftDims, rope: Rope):
+        super().__init__()
+        self.dims, self.rope = dims, rope
+        self.attn_hc, self.ffn_hc = (HyperConnection(dims.hidden, dims.hc_mult, dims.hc_iters, dims.hc_eps, dims.eps)
+                                     for _ in range(2))
+        self.attn_norm = RMSNorm(dims.hidden, dims.eps)
+        self.attn = V4DraftAttention(dims)
+        self.ffn_norm = RMSNorm(dims.hidden, dims.eps)
+        self.ffn = V4DraftMoE(dims)
+        self.register_state_dict_post_hook(_release_names)
+        self.register_load_state_dict_pre_hook(_internal_names)
+
+    def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """What an engine writes into this layer's window for main_x [B, C, d] at positions [B, C]."""
+        cos, sin = self.rope(positions, main_x.dtype)
+        return self.attn.context_kv(main_x, cos, sin)
+
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, context_kv: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """streams [B, Q, n, d] at positions [B, Q]; context_kv [B, C, D] (from `context_kv`); mask [B, Q, C + Q]."""
+        cos, sin = self.rope(positions, streams.dtype)
+        streams, _ = self.attn_hc(streams, lambda h: self.attn(self.attn_norm(h), cos, sin, context_kv, mask))
+        streams, _ = self.ffn_hc(streams, lambda h: self.ffn(self.ffn_norm(h)))
+        return streams
+
+
+def _release_names(module, state_dict, prefix, local_metadata) -> None:
+    for ours, release in HC_NAMES.items():
+        if prefix + ours in state_dict:
+            state_dict[prefix + release] = state_dict.pop(prefix + ours)
+
+
+def _internal_names(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                    error_msgs) -> None:
+    for ours, release in HC_NAMES.items():
+        if prefix + release in state_dict:
+            state_dict[prefix + ours] = state_dict.pop(prefix + release)
