@@ -85,7 +85,10 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
     todo = [(k, s) for k, s in {k: s for k, s in zip(keys, samples) if k not in found}.items()]
     if todo:
         ids, att, lengths = padded_batch([s for _, s in todo])
-        out = target(_to_device(ids, device), _to_device(att, device))
+        att = _to_device(att, device)
+        if len(set(lengths)) > 1 and hasattr(target, "prepare_mask"):  # padded: a mask the target needs not read back
+            att = target.prepare_mask(att)
+        out = target(_to_device(ids, device), att)
         for i, (k, _) in enumerate(todo):
             found[k] = (out.captured[i, : lengths[i]].clone(), out.final_hidden[i, : lengths[i]].clone())
             if cache is not None:
