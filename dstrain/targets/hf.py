@@ -21,6 +21,8 @@ from dstrain.errors import UserError
 from dstrain.targets.base import TargetOutput, resolve_capture_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# families whose decoder builds its mask with masking_utils.create_causal_mask (a 4-D mask passes through it as is)
+PREPARED_MASK_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 class HFTarget:
@@ -53,6 +55,22 @@ class HFTarget:
         if hidden.dim() == 4:  # [B, T, n_streams, d]
             return self._hc_head(hidden) if self._hc_head is not None else hidden.mean(dim=2)
         return hidden
+
+    def prepare_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """A right-padded batch's [B, T] mask as the [B, 1, T, T] boolean mask transformers' SDPA path builds from it
+        (causal, padded keys off). Given a 2-D mask, transformers reads it back to decide whether it can skip it
+        (masking_utils._ignore_causal_mask_sdpa): a wait for the device on every target forward. A prepared mask is
+        used as it is, so this applies only where it is what transformers would build: SDPA attention, full causal
+        attention in every layer (no sliding windows), the families below; else the mask is returned unchanged."""
+        cfg = self.model.config
+        full = getattr(cfg, "sliding_window", None) is None or getattr(cfg, "use_sliding_window", True) is False
+        full = full and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"]))
+        if not (full and cfg.model_type in PREPARED_MASK_FAMILIES and cfg._attn_implementation == "sdpa"
+                and getattr(cfg, "is_causal", True) and attention_mask.dim() == 2):
+            return attention_mask
+        t = attention_mask.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()
+        return causal[None, None] & attention_mask.bool()[:, None, None, :]
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None,

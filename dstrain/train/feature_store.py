@@ -280,6 +280,9 @@ class LazyTarget:
     def __call__(self, input_ids, attention_mask=None):
         return self.loaded()(input_ids, attention_mask)
 
+    def prepare_mask(self, attention_mask):
+        return getattr(self.loaded(), "prepare_mask", lambda m: m)(attention_mask)
+
 
 def open_store(recipe, capture_layers: list[int], device_kind: str, memory=None, read: list[int] | None = None) -> FeatureStore | None:
     """The run's store from `train.feature_cache_dir` / `train.feature_cache_gb` (None when off). `capture_layers`:

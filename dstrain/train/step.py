@@ -68,6 +68,11 @@ def target_device(target) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch to the target's device without blocking the host (pinned memory on a GPU, as PackedBlocks.to)."""
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures:
     """Features of `samples` on the target's device. `cache`: a FeatureCache or a feature_store.FeatureStore, keyed
@@ -80,7 +85,10 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
     todo = [(k, s) for k, s in {k: s for k, s in zip(keys, samples) if k not in found}.items()]
     if todo:
         ids, att, lengths = padded_batch([s for _, s in todo])
-        out = target(ids.to(device), att.to(device))
+        att = _to_device(att, device)
+        if len(set(lengths)) > 1 and hasattr(target, "prepare_mask"):  # padded: a mask the target needs not read back
+            att = target.prepare_mask(att)
+        out = target(_to_device(ids, device), att)
         for i, (k, _) in enumerate(todo):
             found[k] = (out.captured[i, : lengths[i]].clone(), out.final_hidden[i, : lengths[i]].clone())
             if cache is not None:

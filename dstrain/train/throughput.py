@@ -7,6 +7,9 @@ feature cache's reads count here too), `compute_s` the drafter's own forward, ba
 number that says whether to add target or drafter ranks. `tflops` is the drafter's achieved matmul TFLOP/s over its
 compute time, counted by dstrain/flops.py (forward + backward, the way MFU is counted), and `mfu` divides it by the
 device's peak (dense bf16 tensor-core TFLOP/s from the table below, or `run.peak_tflops`; absent when neither knows).
+On a GPU a step only queues its kernels (its metrics are read back at the log line): the host's clock measures
+launches, and the wait at the log line for the device to catch up counts as compute (`drain`). Over a window the
+sum is the window's wall time; the split between wait, target and compute is the host's view.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ class StepClock:
         self.target += min(target, step)
         self.compute += max(step - target, 0.0)
         self.steps += 1
+        self.positions += positions
+
+    def drain(self, seconds: float, positions: int) -> None:
+        """At a log line: the wait for the device to finish the window's queued steps (the steps only queue work and
+        their metrics are read back here: compute), and the window's supervised positions, read back with them."""
+        self.compute += seconds
         self.positions += positions
 
     def metrics(self) -> dict:

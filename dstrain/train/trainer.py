@@ -26,6 +26,7 @@ from dstrain.runtime.watchdog import progress
 from dstrain.train import checkpoint
 from dstrain.train.losses import position_weights
 from dstrain.train.step import DraftStep
+from dstrain.train.step_metrics import MetricWindow, calibration_bins, clip_grad_norm, step_values
 
 
 _UNCHECKED = object()
@@ -41,11 +42,17 @@ def lr_lambda(train_cfg):
     return f
 
 
+def clips_itself(recipe) -> bool:
+    """fp32 ZeRO-0: the trainer clips (step_metrics.clip_grad_norm, the norm stays on the device) instead of DeepSpeed's
+    engine; bf16 and ZeRO-1/2/3 optimizers clip inside their own step and report the norm."""
+    return recipe.deepspeed.precision == "fp32" and recipe.deepspeed.zero_stage == 0
+
+
 def deepspeed_config(recipe, universal: bool = False) -> dict:
     """`universal`: resume from a universal checkpoint (saved by another drafter world, re-partitioned on load)."""
     t, ds = recipe.train, recipe.deepspeed
     return {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
-            "gradient_clipping": t.clip_grad, "zero_optimization": {"stage": ds.zero_stage},
+            "gradient_clipping": 0.0 if clips_itself(recipe) else t.clip_grad, "zero_optimization": {"stage": ds.zero_stage},
             "bf16": {"enabled": ds.precision == "bf16"}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
             # tags are ours and identical on every drafter; DeepSpeed's check is a world-wide all-reduce that
             # target ranks (which hold no drafter state) would never join
@@ -56,19 +63,6 @@ def _all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return t
-
-
-def calibration_error(conf: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
-    """Expected calibration error of σ(confidence) against the soft acceptance label."""
-    if conf.numel() == 0:
-        return float("nan")
-    idx = (conf * bins).long().clamp(max=bins - 1)
-    err = 0.0
-    for b in range(bins):
-        sel = idx == b
-        if sel.any():
-            err += sel.float().mean().item() * abs(conf[sel].mean().item() - label[sel].mean().item())
-    return err
 
 
 class Trainer:
@@ -120,6 +114,7 @@ class Trainer:
             self.live_eval = LiveEval(recipe, frozen, source, run_dir, self.device, self.group, rank, self.dp_world)
         self.expert_load = None  # [MoE layers, E]: the last step's routed share per expert (all ranks)
         self.load_window = None  # [MoE layers, E]: slots routed per expert since the last log line (all ranks)
+        self.metric_window = MetricWindow()  # the step metrics since the last log line, on the device
 
     # -- state -----------------------------------------------------------------------------------------
     def _shared_resume_tag(self, verified_tag):
@@ -197,35 +192,38 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------------------------
     def train_step(self, micro) -> dict:
-        """One optimizer step over a list of sources.MicroBatch."""
+        """One optimizer step over a list of sources.MicroBatch. Its metrics stay device tensors (step_metrics.py):
+        nothing here waits for the device; train() reads them back when it logs a line."""
         r = self.recipe
         gamma = r.drafter.block_size
         pw = position_weights(gamma, r.loss.gamma_decay, self.device)
         total_w = _all_reduce(torch.stack([(pw * mb.packed.valid).sum() for mb in micro]).sum(), self.group)
         scale = self.dp_world / total_w.clamp(min=1e-9)
-        acc = {"ce": 0.0, "tv": 0.0, "conf": 0.0, "aux": 0.0}
+        zero = torch.zeros((), device=self.device)
+        acc = torch.zeros(4, device=self.device)  # ce, tv, conf, aux
         pos_acc, pos_n = torch.zeros(gamma, device=self.device), torch.zeros(gamma, device=self.device)
-        confs, labels = [], []
-        tokens = 0
+        bins, grad_norm, tokens = None, None, 0
         for i, mb in enumerate(micro):
             packed, feats = mb.packed, mb.target_features()
             tokens += sum(len(s.input_ids) for s in mb.samples)
             sums, tv, out = self.engine(packed, feats, self.lm_head, r.loss)
             loss = sums["total"] * scale + r.drafter.ffn.aux_loss_coef * out.aux_loss / len(micro)
             self.engine.backward(loss, scale_wrt_gas=False)
-            if i == len(micro) - 1:
-                grad_norm = self._grad_norm()
+            if i == len(micro) - 1 and clips_itself(r):  # the gradients are all-reduced at the last backward
+                grad_norm = clip_grad_norm(self.engine.module.parameters(), r.train.clip_grad)
             self.engine.step()
-            for k in ("ce", "tv", "conf"):
-                acc[k] += float(sums.get(k, torch.zeros(())).detach() * scale)
-            acc["aux"] += float(out.aux_loss.detach()) / len(micro)
+            acc += torch.stack([*(sums.get(k, zero).detach().float() * scale for k in ("ce", "tv", "conf")),
+                                out.aux_loss.detach().float() / len(micro)])
             valid = packed.valid
             accept = (1 - 0.5 * tv).clamp(0, 1)
             pos_acc += (accept * valid).sum(0)
             pos_n += valid.sum(0)
-            if out.confidence_logits is not None:
-                confs.append(torch.sigmoid(out.confidence_logits.detach().float())[valid])
-                labels.append(accept[valid])
+            if out.confidence_logits is not None:  # this rank's positions, as before (not all-reduced)
+                binned = calibration_bins(torch.sigmoid(out.confidence_logits.detach().float()), accept.detach(), valid)
+                bins = binned if bins is None else bins + binned
+        if grad_norm is None:  # bf16 / ZeRO optimizers: the norm their step computed before clipping
+            grad_norm = self.engine.get_global_grad_norm()
+            grad_norm = float("nan") if grad_norm is None else grad_norm.detach() if torch.is_tensor(grad_norm) else float(grad_norm)
         moe = self.drafter.moe_layers()
         if moe:  # the step's load over every micro-batch and replica: each replica nudges its bias by the same global
             counts = _all_reduce(torch.stack([m.take_load() for m in moe]).to(self.device), self.group)  # load, so copies stay equal
@@ -233,19 +231,12 @@ class Trainer:
             self.load_window = counts if self.load_window is None else self.load_window + counts
             for m, load in zip(moe, self.expert_load):
                 m.update_route_bias(load)
-        stats = torch.cat([torch.tensor([acc["ce"], acc["tv"], acc["conf"], acc["aux"], float(tokens)], device=self.device), pos_acc, pos_n])
-        stats = _all_reduce(stats, self.group)
-        stats = stats.cpu()
-        pos = stats[5 : 5 + gamma] / stats[5 + gamma :].clamp(min=1)
-        out = {"loss_ce": stats[0].item() / self.dp_world, "loss_tv": stats[1].item() / self.dp_world,
-               "loss_conf": stats[2].item() / self.dp_world, "aux_loss": stats[3].item() / self.dp_world,
-               "supervised_positions": int(stats[5 + gamma :].sum()), "tokens": int(stats[4]), "grad_norm": grad_norm}
-        out["loss"] = r.loss.alpha_ce * out["loss_ce"] + r.loss.alpha_tv * out["loss_tv"] + r.loss.alpha_conf * out["loss_conf"]
-        for k in range(gamma):
-            out[f"acceptance@{k + 1}"] = pos[k].item()
-        out["tau_hat"] = 1.0 + torch.cumprod(pos, 0).sum().item()
-        if confs:
-            out["calibration_error"] = calibration_error(torch.cat(confs).cpu(), torch.cat(labels).cpu())
+        # the token count is host data: a pinned, non-blocking copy joins the one all-reduce
+        host = torch.tensor([float(tokens)], pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        stats = _all_reduce(torch.cat([acc, host, pos_acc, pos_n]), self.group)
+        out = {"stats": stats, "grad_norm": grad_norm, "positions": stats[5 + gamma :].sum(), "tokens": stats[4]}
+        if bins is not None:
+            out["calibration"] = bins
         return out
 
     def _step_clock(self, recipe, frozen, drafter):
@@ -258,26 +249,24 @@ class Trainer:
         flops = step_flops(recipe, frozen.config, size_target(frozen.config), drafter)
         return StepClock(flops.drafter_per_position, peak_tflops(self.device, recipe.run.peak_tflops))
 
-    def _grad_norm(self) -> float:
-        """Norm of the accumulated gradient before clipping (DeepSpeed reports it only for its own optimizers)."""
-        reported = self.engine.get_global_grad_norm()
-        if reported is not None:
-            return float(reported)
-        grads = [p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None]
-        local = torch.stack(grads).pow(2).sum() if grads else torch.zeros((), device=self.device)
-        return float(_all_reduce(local, self.group).sqrt())
+    def _expert_loads(self) -> dict:
+        """The window's and the last step's routed share per expert × E, on the device (read with the step metrics)."""
+        if self.load_window is None:
+            return {}
+        window, self.load_window = self.load_window, None
+        return {"window": window / window.sum(-1, keepdim=True).clamp(min=1) * window.shape[-1],
+                "step": self.expert_load * window.shape[-1]}
 
-    def _expert_load_metrics(self) -> dict:
+    @staticmethod
+    def _expert_load_metrics(loads: dict) -> dict:
         """Routed share per expert × E (1 = an even share) over the steps since the last log line: max and min per MoE
         layer, and each expert's (wandb groups them per layer) unless there are too many to chart. Also the last
         step's max alone: a micro-batch holds few sequences, and a drafter routes the tokens of one sequence alike
         (they share its context), so one step's load swings with which sequences it drew."""
-        if self.load_window is None:
+        if not loads:
             return {}
-        window, self.load_window = self.load_window, None
         out = {}
-        shares = window / window.sum(-1, keepdim=True).clamp(min=1) * window.shape[-1]
-        for i, (load, step) in enumerate(zip(shares.cpu().tolist(), (self.expert_load * window.shape[-1]).cpu().tolist())):
+        for i, (load, step) in enumerate(zip(loads["window"].tolist(), loads["step"].tolist())):
             out[f"expert_load_max/layer{i}"], out[f"expert_load_min/layer{i}"] = max(load), min(load)
             out[f"expert_load_step_max/layer{i}"] = max(step)
             if len(load) <= 32:
@@ -320,7 +309,7 @@ class Trainer:
         monitor = Monitor(self.run_dir, r, r.train.steps, self.step, self.is_main)
         self.source.start(self.step)
         t_last = time.perf_counter()
-        window = {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
+        window = {"steps": 0, "bytes": 0}  # host counts; the step metrics' window is self.metric_window
         if self.live_eval is not None and self.is_main:
             print(self.live_eval.describe(), flush=True)
         try:
@@ -332,29 +321,31 @@ class Trainer:
                 micro = self.source.next_step(self.step)
                 progress(self.step, "train")
                 t1, target_s = time.perf_counter(), getattr(self.source, "feature_s", 0.0)
-                metrics = self.train_step(micro)  # its float() reads wait for the device: t2 - t1 is the step's compute
+                self.metric_window.add(self.train_step(micro))  # on a GPU: queued work, read back at the log line
                 t2 = time.perf_counter()
-                self.clock.add(t1 - t0, t2 - t1, getattr(self.source, "feature_s", 0.0) - target_s, metrics["supervised_positions"])
+                self.clock.add(t1 - t0, t2 - t1, getattr(self.source, "feature_s", 0.0) - target_s, 0)
                 self.step += 1
                 window["steps"] += 1
                 window["bytes"] += self.source.traffic().get("channel_bytes_received", 0)
-                window["positions"] += metrics.pop("supervised_positions")
-                window["tokens"] += metrics.pop("tokens")
                 monitor.advance()
-                evaluated = self._evaluate(metrics)
-                t_last += metrics.get("eval/seconds", 0.0)  # throughput counts training time only
+                evaluated = self._evaluate(eval_metrics := {})
+                t_last += eval_metrics.get("eval/seconds", 0.0)  # throughput counts training time only
                 if evaluated or self.step == 1 or self.step % r.train.log_every == 0 or self.step == r.train.steps:
+                    t_read = time.perf_counter()
+                    last, loads = self.metric_window.read(self._expert_loads())  # waits for the queued steps
                     now = time.perf_counter()
+                    self.clock.drain(now - t_read, last["positions"])
+                    metrics = {**step_values(last, r.loss, r.drafter.block_size, self.dp_world), **eval_metrics}
                     if window["bytes"]:  # disaggregated: what the channel carried into this rank
                         metrics["channel_bytes_per_step"] = window["bytes"] / window["steps"]
-                        metrics["channel_bytes_per_position"] = window["bytes"] / max(window["positions"], 1)
-                    metrics.update({"lr": self.scheduler.get_last_lr()[0], "supervised_positions_per_s": window["positions"] / (now - t_last),
-                                    "tokens_per_s": window["tokens"] / (now - t_last), "peak_memory_mb": peak_memory_mb(self.device)})
+                        metrics["channel_bytes_per_position"] = window["bytes"] / max(last["positions"], 1)
+                    metrics.update({"lr": self.scheduler.get_last_lr()[0], "supervised_positions_per_s": last["positions"] / (now - t_last),
+                                    "tokens_per_s": last["tokens"] / (now - t_last), "peak_memory_mb": peak_memory_mb(self.device)})
                     metrics.update(self.clock.metrics())
-                    metrics.update(self._expert_load_metrics())
+                    metrics.update(self._expert_load_metrics(loads))
                     metrics.update(self._cache_metrics())
                     monitor.log(self.step, metrics)
-                    t_last, window = now, {"positions": 0, "tokens": 0, "steps": 0, "bytes": 0}
+                    t_last, window = now, {"steps": 0, "bytes": 0}
                 stop = done = self.live_eval is not None and self.live_eval.should_stop()
                 # one one-int all-reduce per step over the drafters; a notice at the last step changes nothing
                 preempted = preemption.agreed(self.host_group) and self.step < r.train.steps
