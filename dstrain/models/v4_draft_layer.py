@@ -22,6 +22,7 @@ HyperConnection (fn / base / scale); HC_NAMES maps its names to the release's on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -137,18 +138,38 @@ class V4Gate(nn.Module):
 
 
 class V4DraftMoE(nn.Module):
-    def __init__(self, dims: V4DraftDims):
+    """V4's MoE. For the trainer (as models/layers.MoE): `last_load` (share of routed slots per expert, the
+    DraftOutput's expert_load), `take_load` (a step's counts) and `update_route_bias` (aux-loss-free balance on
+    gate.bias); V4 has no balancing loss."""
+
+    def __init__(self, dims: V4DraftDims, bias_rate: float = 1e-3):
         super().__init__()
-        self.topk, self.routed_scale, self.scoring = dims.topk, dims.routed_scale, dims.scoring
+        self.topk, self.routed_scale, self.scoring, self.bias_rate = dims.topk, dims.routed_scale, dims.scoring, bias_rate
         self.gate = V4Gate(dims.hidden, dims.experts)
         self.experts = nn.ModuleList(V4Expert(dims.hidden, dims.moe_inter, dims.swiglu_limit)
                                      for _ in range(dims.experts))
         self.shared_experts = V4Expert(dims.hidden, dims.moe_inter, dims.swiglu_limit)
+        self.last_load = torch.zeros(dims.experts)
+        self.step_counts = torch.zeros(dims.experts)  # every training forward's since take_load(): a step's load
+
+    def take_load(self) -> torch.Tensor:
+        counts, self.step_counts = self.step_counts, torch.zeros_like(self.step_counts)
+        return counts
+
+    @torch.no_grad()
+    def update_route_bias(self, load: torch.Tensor) -> None:
+        """Raise under-loaded experts' selection bias, lower over-loaded ones' (DeepSeek-V3's aux-loss-free rule)."""
+        self.gate.bias += self.bias_rate * torch.sign(load.mean() - load.to(self.gate.bias.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = F.linear(flat.float(), self.gate.weight.float())  # fp32 gating, as DeepSeek's Gate
         weights, picks = route(logits, self.gate.bias, self.topk, self.routed_scale, self.scoring)
+        counts = torch.zeros_like(self.gate.bias).scatter_add_(0, picks.flatten(), torch.ones_like(picks.flatten(),
+                                                                                                     dtype=torch.float32))
+        self.last_load = counts / max(picks.numel(), 1)
+        if self.training:
+            self.step_counts = self.step_counts.to(counts.device) + counts
         out = torch.zeros_like(flat)
         for e in picks.unique().tolist():  # dense per-expert loop: the drafter's few tokens per step
             rows, slot = torch.where(picks == e)
@@ -168,8 +189,8 @@ class V4DraftLayer(nn.Module):
         self.attn = V4DraftAttention(dims)
         self.ffn_norm = RMSNorm(dims.hidden, dims.eps)
         self.ffn = V4DraftMoE(dims)
-        self.register_state_dict_post_hook(_release_names)
-        self.register_load_state_dict_pre_hook(_internal_names)
+        self.register_state_dict_post_hook(partial(rename_on_save, HC_NAMES))
+        self.register_load_state_dict_pre_hook(partial(rename_on_load, HC_NAMES))
 
     def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What an engine writes into this layer's window for main_x [B, C, d] at positions [B, C]."""
@@ -185,14 +206,16 @@ class V4DraftLayer(nn.Module):
         return streams
 
 
-def _release_names(module, state_dict, prefix, local_metadata) -> None:
-    for ours, release in HC_NAMES.items():
+def rename_on_save(names: dict, module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook (bind `names` {ours: release} with functools.partial): save under the release's names."""
+    for ours, release in names.items():
         if prefix + ours in state_dict:
             state_dict[prefix + release] = state_dict.pop(prefix + ours)
 
 
-def _internal_names(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                    error_msgs) -> None:
-    for ours, release in HC_NAMES.items():
+def rename_on_load(names: dict, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                   error_msgs) -> None:
+    """load_state_dict pre-hook: the release's names back to ours before the module loads."""
+    for ours, release in names.items():
         if prefix + release in state_dict:
             state_dict[prefix + ours] = state_dict.pop(prefix + release)
