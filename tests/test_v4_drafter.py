@@ -184,3 +184,20 @@ def test_noise_token_is_required():
     with pytest.raises(UserError, match="mask_token_id"):
         V4BlockDrafter(SimpleNamespace(num_layers=1, mask_token_id=None, head_rank=RANK, confidence=True), spec,
                        torch.nn.Embedding(VOCAB, 64), cfg)
+
+
+def test_bf16_drafter_trains_and_proposes():
+    """A drafter cast whole to bf16 (as DeepSpeed's bf16 mode does, fp32 mHC and router tensors included) runs."""
+    from dstrain.recipe import LossConfig
+    from dstrain.train.step import TargetFeatures, draft_losses
+
+    drafter, lm_head = make_drafter()
+    drafter, lm_head = drafter.to(torch.bfloat16).train(), lm_head.to(torch.bfloat16)
+    drafter._embedding.to(torch.bfloat16)
+    _, packed, features = packed_batch()
+    feats = TargetFeatures(features.bfloat16(), torch.randn(features.shape[0], TINY["hidden_size"]).bfloat16())
+    sums, _, out = draft_losses(drafter, lm_head, packed, feats, LossConfig())
+    sums["total"].backward()
+    assert out.hidden.dtype == torch.bfloat16 and torch.isfinite(sums["total"])
+    prop = drafter.eval().propose(packed, feats.captured[packed.ctx_rows], lm_head, lambda lg: (lg.argmax(-1), lg.softmax(-1)))
+    assert prop.tokens.shape == packed.block_tokens.shape and torch.isfinite(prop.probs).all()

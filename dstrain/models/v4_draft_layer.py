@@ -165,8 +165,9 @@ class V4DraftMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         logits = F.linear(flat.float(), self.gate.weight.float())  # fp32 gating, as DeepSeek's Gate
         weights, picks = route(logits, self.gate.bias, self.topk, self.routed_scale, self.scoring)
-        counts = torch.zeros_like(self.gate.bias).scatter_add_(0, picks.flatten(), torch.ones_like(picks.flatten(),
-                                                                                                     dtype=torch.float32))
+        slots = picks.flatten()
+        counts = torch.zeros(len(self.experts), device=slots.device).scatter_add_(0, slots, torch.ones(slots.shape,
+                                                                                                       device=slots.device))
         self.last_load = counts / max(picks.numel(), 1)
         if self.training:
             self.step_counts = self.step_counts.to(counts.device) + counts
