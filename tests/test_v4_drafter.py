@@ -38,7 +38,7 @@ def make_drafter(seed: int = 0) -> tuple[V4BlockDrafter, torch.nn.Linear]:
     d = cfg.hidden_size
     spec = TargetSpec(d, VOCAB, CAPTURE, cfg.num_attention_heads, 1, cfg.moe_intermediate_size)
     drafter_cfg = SimpleNamespace(num_layers=LAYERS, mask_token_id=NOISE, head_rank=RANK, confidence=True,
-                                  ffn=SimpleNamespace(bias_update_rate=1e-3))
+                                  sliding_window=WINDOW, ffn=SimpleNamespace(bias_update_rate=1e-3))
     embedding = torch.nn.Embedding(VOCAB, d)
     drafter = V4BlockDrafter(drafter_cfg, spec, embedding, cfg)
     with torch.no_grad():  # away from init (markov_w2 = 0 would hide the Markov head); sinks and router bias too
@@ -176,14 +176,17 @@ def test_trainer_loss_reaches_every_trainable_parameter():
     assert all(not b.requires_grad for b in drafter.buffers())  # the router bias moves by load, never by gradient
 
 
-def test_noise_token_is_required():
+@pytest.mark.parametrize("wrong, message", [(dict(mask_token_id=None), "mask_token_id"),
+                                            (dict(sliding_window=WINDOW + 1), "sliding_window"),
+                                            (dict(confidence=False), "confidence")])
+def test_settings_the_v4_layout_cannot_serve_are_refused(wrong, message):
     from dstrain.errors import UserError
 
     cfg = DeepseekV4Config(**TINY)
     spec = TargetSpec(64, VOCAB, CAPTURE, 4, 1, 48)
-    with pytest.raises(UserError, match="mask_token_id"):
-        V4BlockDrafter(SimpleNamespace(num_layers=1, mask_token_id=None, head_rank=RANK, confidence=True), spec,
-                       torch.nn.Embedding(VOCAB, 64), cfg)
+    settings = dict(num_layers=1, mask_token_id=NOISE, head_rank=RANK, confidence=True, sliding_window=WINDOW)
+    with pytest.raises(UserError, match=message):
+        V4BlockDrafter(SimpleNamespace(**{**settings, **wrong}), spec, torch.nn.Embedding(VOCAB, 64), cfg)
 
 
 def test_bf16_drafter_trains_and_proposes():

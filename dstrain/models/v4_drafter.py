@@ -85,7 +85,8 @@ class V4DraftStage(V4DraftLayer):
 
 class V4BlockDrafter(nn.Module):
     """drafter.type=dspark on a DeepSeek-V4 target. `target_config`: the target's DeepseekV4Config (the draft layers
-    have the target's shape); `cfg`: the recipe's DrafterConfig (num_layers, mask_token_id, head_rank, confidence)."""
+    have the target's shape); `cfg`: the recipe's DrafterConfig (num_layers, mask_token_id, head_rank, confidence,
+    sliding_window: it must be V4's, which the packing then applies through key_index)."""
 
     def __init__(self, cfg, spec: TargetSpec, embedding: nn.Embedding, target_config):
         super().__init__()
@@ -99,9 +100,12 @@ class V4BlockDrafter(nn.Module):
         if not cfg.confidence:
             raise UserError("drafter.confidence=false: the V4 DSpark layout always has a confidence head (SGLang refuses "
                             "a checkpoint without its weights)")
+        self.dims = V4DraftDims.from_config(target_config)
+        if cfg.sliding_window != self.dims.window:  # packing applies the recipe's window; the engines apply V4's
+            raise UserError(f"drafter.sliding_window={cfg.sliding_window}: a V4 DSpark drafter sees the target's sliding "
+                            f"window before the anchor, as the engines run it: set drafter.sliding_window={self.dims.window}")
         self.cfg, self.spec, self.mask_token_id = cfg, spec, cfg.mask_token_id
         object.__setattr__(self, "_embedding", embedding)  # the target's, frozen: not a parameter, never saved
-        self.dims = V4DraftDims.from_config(target_config)
         rope = rope_of(target_config)["main"]
         n = cfg.num_layers
         self.mtp = nn.ModuleList(V4DraftStage(self.dims, rope, first=i == 0, last=i == n - 1, num_capture=spec.num_capture,
