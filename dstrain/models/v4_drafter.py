@@ -56,6 +56,8 @@ class V4MarkovHead(nn.Module):
 
 
 class V4ConfidenceHead(nn.Module):
+    """logit = proj([pre-norm hc_head output; markov_w1[x_prev]]), no bias; fp32 in the release."""
+
     def __init__(self, d: int, rank: int):
         super().__init__()
         self.proj = nn.Linear(d + rank, 1, bias=False)
