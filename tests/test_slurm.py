@@ -86,6 +86,9 @@ def cluster(tmp_path):
             p.wait(timeout=30)
 
 
+REQUEUE_HOLD_S = 5  # how long a requeued job stays held before the test lets it start (Slurm's own hold is longer)
+
+
 def job_state(env, job: str) -> dict:
     out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
@@ -138,6 +141,7 @@ def test_sbatch_survives_a_requeue_and_a_preemption_notice_without_losing_or_rep
                          cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     run = out / "tiny-moe-dspark"
     first_ten, noticed_at, seen = None, None, []  # seen: resume and notice-save lines, in order (node logs may restart)
+    held_since = None  # when the requeued job was first seen held (PENDING, BeginTime)
     deadline = time.time() + 720
     while time.time() < deadline:
         state = job_state(env, job)
@@ -145,6 +149,8 @@ def test_sbatch_survives_a_requeue_and_a_preemption_notice_without_losing_or_rep
         seen += [x for x in node_log.splitlines() if ("dstrain: resumed from step" in x or "dstrain: preemption notice:"
                                                       " checkpoint step-" in x) and x not in seen]
         resumes = [x for x in seen if "resumed from step" in x]
+        if state.get("JobState") != "PENDING":
+            held_since = None
         if first_ten is None and (run / "checkpoints" / "latest").exists():
             first_ten = early_lines(run)  # steps 1-10 are logged once the step-10 checkpoint exists
             subprocess.run(["scontrol", "requeue", job], env=env, check=True, capture_output=True)
@@ -153,8 +159,12 @@ def test_sbatch_survives_a_requeue_and_a_preemption_notice_without_losing_or_rep
             subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, capture_output=True)
             noticed_at = steps_since_resume(node_log)[-1]
         elif first_ten is not None and state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
-            # Slurm holds a requeued job for a while before it may start again; skip the wait
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True)
+            # Slurm holds a requeued job for a while before it may start again; shorten the wait, not to nothing: slurmd
+            # revoked the previous start's credential, and a start within the same second or two is refused with "Job
+            # credential revoked" (the job then FAILS: seen in CI)
+            held_since = held_since or time.time()
+            if time.time() - held_since >= REQUEUE_HOLD_S:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True)
         elif state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             break
         time.sleep(0.3)
