@@ -147,7 +147,7 @@ def meta_drafter(recipe, cfg, num_capture: int):
 
     spec = spec_from_config(cfg, num_capture)
     with torch.device("meta"):
-        return build_drafter(recipe.drafter, spec, torch.nn.Embedding(spec.vocab_size, spec.hidden_size))
+        return build_drafter(recipe.drafter, spec, torch.nn.Embedding(spec.vocab_size, spec.hidden_size), cfg)
 
 
 def balance_verdict(flops: StepFlops, target_ranks: int, drafter_ranks: int, replicas: int = 1) -> tuple[str, str | None]:

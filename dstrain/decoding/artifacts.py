@@ -241,7 +241,8 @@ def build(artifact: DrafterArtifact, target):
     if wanted is not None and list(wanted) != list(target.capture_layers):
         raise UserError(f"{artifact.source}: trained on capture layers {wanted}, the target captures {target.capture_layers}")
     cfg = DrafterConfig(**artifact.drafter_cfg)
-    drafter = build_drafter(cfg, spec_from_config(_config(target), len(target.capture_layers)), target.embedding)
+    drafter = build_drafter(cfg, spec_from_config(_config(target), len(target.capture_layers)), target.embedding,
+                            _config(target))
     missing, unexpected = drafter.load_state_dict(artifact.state, strict=False)
     if missing or unexpected:
         raise UserError(f"{artifact.source}: weights do not fit a {cfg.type} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")

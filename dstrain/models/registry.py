@@ -17,7 +17,8 @@ DRAFTERS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def build_drafter(cfg, spec: TargetSpec, embedding: nn.Embedding) -> nn.Module:
+def build_drafter(cfg, spec: TargetSpec, embedding: nn.Embedding, target_config=None) -> nn.Module:
+    """`target_config`: the target's model config (some backbones take their shape from the target's)."""
     builder = DRAFTERS.get(cfg.type)
     if builder is None:
         raise UserError(f"drafter.type={cfg.type}: not in this build yet (available: {', '.join(DRAFTERS)})")

@@ -83,7 +83,8 @@ class Trainer:
         if world.mpu is not None:
             scope_deepspeed_to(world.drafter_group)
         torch.manual_seed(recipe.run.seed)
-        drafter = build_drafter(recipe.drafter, spec_from_config(frozen.config, frozen.num_capture), frozen.embedding)
+        drafter = build_drafter(recipe.drafter, spec_from_config(frozen.config, frozen.num_capture), frozen.embedding,
+                                frozen.config)
         if recipe.drafter.init_from:  # weights of another drafter (any export format); a resume below overrides them
             from dstrain.decoding.artifacts import init_weights
 
