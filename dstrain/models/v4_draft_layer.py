@@ -183,12 +183,14 @@ def split_experts_on_save(module: V4RoutedExperts, state_dict, prefix, local_met
 
 def stack_experts_on_load(module: V4RoutedExperts, state_dict, prefix, local_metadata, strict, missing_keys,
                           unexpected_keys, error_msgs) -> None:
-    """load_state_dict pre-hook: `{e}.w1.weight` of every expert -> `w1` [E, ...]; a weight some expert lacks is
-    left as it is (load_state_dict then names the missing and unexpected keys)."""
+    """load_state_dict pre-hook: `{e}.w1.weight` of every expert -> `w1` [E, ...]. A weight only some experts have
+    is not loaded: the others' names are reported missing (and the present ones unexpected)."""
     for w in EXPERT_WEIGHTS:
         keys = [f"{prefix}{e}.{w}.weight" for e in range(module.num_experts)]
         if all(k in state_dict for k in keys):
             state_dict[prefix + w] = torch.stack([state_dict.pop(k) for k in keys])
+        elif any(k in state_dict for k in keys):
+            missing_keys.extend(k for k in keys if k not in state_dict)
 
 
 class V4DraftMoE(nn.Module):
