@@ -16,7 +16,9 @@ of a packed sequence sharing context rows, as models/attention.py packs them) co
 Names. state_dict() gives V4's release names (DeepSeek's inference code, and what the engines read after `mtp.{i}.`):
 attn.{wq_a, q_norm, wq_b, wkv, kv_norm, attn_sink, wo_a, wo_b}, attn_norm, ffn_norm, ffn.gate.{weight, bias},
 ffn.experts.{e}.w{1,2,3}, ffn.shared_experts.w{1,2,3}, hc_{attn,ffn}_{fn,base,scale}. mHC is blocks/mhc.py's
-HyperConnection (fn / base / scale); HC_NAMES maps its names to the release's on save and back on load.
+HyperConnection (fn / base / scale); HC_NAMES maps its names to the release's on save and back on load. The routed
+experts are stored stacked for the grouped GEMM (V4RoutedExperts: ffn.experts.w{1,2,3} [E, ...]); its hooks split
+them into the per-expert names on save and stack them on load.
 """
 
 from __future__ import annotations
@@ -140,17 +142,18 @@ class V4Gate(nn.Module):
 
 
 class V4RoutedExperts(nn.Module):
-    """The E routed experts (V4Expert each), their weights stacked for the grouped GEMM: w1, w3 [E, inter, d] and
-    w2 [E, d, inter], expert e's nn.Linear weights at [e]. state_dict() keeps the release names
-    `{e}.w{1,2,3}.weight` (hooks split on save, stack on load), so the engines and checkpoints see no change.
+    """The E routed experts (each V4Expert's w2(clamped SwiGLU(w1 x, w3 x))), their weights stacked for the grouped
+    GEMM: w1, w3 [E, inter, d] and w2 [E, d, inter], expert e's nn.Linear weight at [e]. state_dict() keeps the
+    release names `{e}.w{1,2,3}.weight` (hooks split on save, stack on load): the engines' and state-dict
+    checkpoints' names do not change (an optimizer state saved with 3·E expert parameters does not fit these 3).
 
     Why stored stacked, not torch.stack of per-expert Linears at each forward: a forward-time stack copies every
     routed weight each step and keeps the copy for the backward (torch._grouped_mm saves it for the input's
     gradient); at a V4-Flash-shaped draft layer (256 experts x 3 x 4096 x 2048) that is 12.9 GB bf16 per layer on top
-    of weights, grads and optimizer state, and ZeRO-3 would not gather Linears whose forward never runs. The cost
-    is paid at state_dict() instead: each expert's slice is cloned (safetensors refuses tensors sharing storage), and
-    the parameters are 3 stacked tensors (one optimizer state each), not 3·E. Initialised as the Linears were:
-    the same uniform draws in the same order, so a seed builds the same weights as before."""
+    of weights, grads and optimizer state; and under ZeRO-3 Linears whose forward never runs are not gathered
+    (each would have to be registered as an external parameter). The cost is paid at state_dict() instead: each
+    expert's slice is cloned (safetensors refuses tensors sharing storage). Initialised as the Linears were: the same
+    uniform draws in the same order, so a seed builds the same weights as before."""
 
     def __init__(self, experts: int, d: int, inter: int, limit: float):
         super().__init__()
