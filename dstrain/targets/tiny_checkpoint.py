@@ -152,10 +152,11 @@ def family_config(family: str | None = None, config: dict | None = None) -> dict
 
 def write_checkpoint(out: str | Path, hf_config: dict, *, seed: int = 0, shards: int = 4, fp8_block=None,
                      skip: list[str] | None = None, widen: float = 1.0, expert_dtype: str | None = None,
-                     dtype: str = "float32") -> Path:
+                     dtype: str = "float32", dspark: dict | None = None) -> Path:
     """A random model of `hf_config` saved to `out` in about `shards` files (1: a single model.safetensors),
     optionally in DeepSeek's FP8 layout (expert_dtype="fp4": V4-Flash's FP4 experts). `widen` scales 2-D weights
-    (bigger activations for parity tests)."""
+    (bigger activations for parity tests). `dspark` (DeepSeek-V4 only): add_dspark's keyword arguments, a released
+    DSpark drafter in the checkpoint's mtp.* section."""
     from dstrain.targets.hf import random_model
 
     out = Path(out)
@@ -175,7 +176,42 @@ def write_checkpoint(out: str | Path, hf_config: dict, *, seed: int = 0, shards:
         raise RuntimeError(f"save_pretrained wrote no config.json into {out}")
     if fp8_block:
         quantise_fp8(out, fp8_block, skip, expert_dtype)
+    if dspark is not None:
+        add_dspark(out, seed=seed, **dspark)
     return out
+
+
+def add_dspark(folder: str | Path, *, num_layers: int = 2, rank: int = 16, noise_token_id: int | None = None,
+               target_layer_ids: list[int] | None = None, block_size: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A tiny released DSpark drafter inside a DeepSeek-V4 checkpoint, as V4-Flash-0731 ships one: a random
+    V4BlockDrafter (away from its init, so every head matters) in the checkpoint's own mtp.* section, quantised like
+    the checkpoint (decoding/v4_format.py), and its dspark_* config keys. Returns its fp32 state dict (before
+    quantisation), what a reader of the folder should get back within the quantisation error."""
+    from types import SimpleNamespace
+
+    from dstrain.decoding.v4_format import add_to_checkpoint
+    from dstrain.models.contract import spec_from_config
+    from dstrain.models.v4_drafter import V4BlockDrafter
+    from dstrain.targets.configs import load_config
+
+    config = load_config(folder)
+    if config.model_type != "deepseek_v4":
+        raise UserError(f"--dspark: a DSpark mtp.* section belongs in a DeepSeek-V4 checkpoint, not {config.model_type}")
+    layers = config.num_hidden_layers
+    ids = list(target_layer_ids) if target_layer_ids is not None else list(range(max(0, layers - num_layers), layers))
+    noise = config.vocab_size - 1 if noise_token_id is None else noise_token_id
+    cfg = SimpleNamespace(num_layers=num_layers, mask_token_id=noise, head_rank=rank, confidence=True,
+                          sliding_window=config.sliding_window, block_size=block_size)
+    torch.manual_seed(seed + 1)
+    drafter = V4BlockDrafter(cfg, spec_from_config(config, len(ids)), torch.nn.Embedding(config.vocab_size, config.hidden_size),
+                             config)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "hc" in name else 0.1))
+        for m in drafter.moe_layers():
+            m.gate.bias.normal_(0, 0.3)
+    add_to_checkpoint(folder, drafter, ids)
+    return {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
 
 
 def write_tokenizer(folder: str | Path, vocab_size: int) -> str:
