@@ -7,9 +7,9 @@ quantised like its host and imported (drafter.init_from) back into a freshly bui
 - bf16 host: bit-exact (a drafter whose weights are bf16 values; hc_*, attn_sink, gate.bias, confidence head fp32).
 - FP8 (e4m3, power-of-two ue8m0 block scales): the block's amax lands in (224, 448] x scale, e4m3 keeps 3 mantissa
   bits, so |error| <= |w| / 16 for every normal value: max |Δ| / max |w| <= 1/16 per block, hence per tensor.
-  Measured over the drafter's tensors: 0.031 (printed by the test).
+  Measured over this test drafter's tensors: 0.042 (printed by the test).
 - FP4 experts (e2m1, one ue8m0 scale per 32 columns): the block's amax lands in (3, 6] x scale and the widest e2m1
-  gap is 4..6, so max |Δ| <= block amax / 4. Measured: 0.17.
+  gap is 4..6, so max |Δ| <= block amax / 4. Measured: 0.159.
 - Unquantised weights come back as the host's plain dtype rounds them (bf16), fp32 ones exactly; the values read are
   exactly code x scale of the stored tensors (checked against a decoding written here); an imported drafter
   re-exported and re-imported gives the same values (power-of-two scales make quantisation idempotent).
