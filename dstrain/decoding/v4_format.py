@@ -190,8 +190,10 @@ def engine_config(raw: dict, hf, drafter, capture_layers: list[int], scheme: Hos
     return config
 
 
-def write_shards(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int, prefix: str = "model") -> dict:
-    """safetensors shards of ≤ max_shard_bytes (a tensor never split), a weight and its scale in one; the index."""
+def write_shards(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int, prefix: str = "mtp") -> dict:
+    """safetensors shards of ≤ max_shard_bytes (a tensor never split), a weight and its scale in one; the index.
+    Named mtp-*, not model-*: copied into the target's folder (its index's weight_map merged into the target's, the
+    drafter then ships inside the checkpoint as V4-Flash-0731's does) they do not overwrite the target's shards."""
     from safetensors.torch import save_file
 
     groups, size = [[]], 0
@@ -278,7 +280,7 @@ def add_to_checkpoint(folder: str | Path, drafter, capture_layers: list[int]) ->
 
 # ---------------------------------------------------------------------------------------------------- import
 def read(folder: Path, config: dict) -> tuple[dict, list[int], dict[str, torch.Tensor], dict]:
-    """(drafter section, capture layers, state dict dequantised to fp32, our `dstrain` section or {}) of a V4-format
+    """(drafter section, capture layers, state dict (dequantised, stored dtypes), our `dstrain` section or {}) of a V4-format
     folder: a --format deepseek-v4 export or a checkpoint shipping a DSpark drafter in its mtp.* section."""
     from dstrain.targets.checkpoint import CheckpointReader
     from dstrain.targets.shard_plan import full
@@ -306,7 +308,10 @@ def read(folder: Path, config: dict) -> tuple[dict, list[int], dict[str, torch.T
             e = reader.entry(key)
             scaled = any(key.removesuffix(".weight") + s in names for s in SCALES)
             shape = (e.shape[0], 2 * e.shape[1]) if scaled and e.dtype in (torch.int8, torch.uint8) else e.shape  # FP4
-            state[key] = reader.read(full(key, shape))
+            # e4m3 / e2m1 code x power-of-two scale is exact in bf16: a quantised drafter is read at half fp32's memory
+            dtype = torch.bfloat16 if scaled else e.dtype if e.dtype.is_floating_point else torch.float32
+            state[key] = torch.empty(shape, dtype=dtype)
+            reader.read_into(full(key, shape), state[key])
     ours = config.get("dstrain") or {}
     drafter = {**(ours.get("drafter") or {}), "type": "dspark", "num_layers": n, "head": "markov", "confidence": True,
                "head_rank": int(config["dspark_markov_rank"]), "mask_token_id": int(config["dspark_noise_token_id"]),
@@ -340,9 +345,9 @@ def init(drafter, cfg, art, frozen, src: str) -> None:
     theirs = art.drafter_cfg
     wanted, have = art.target_cfg.get("capture_layers"), list(frozen.capture_layers)
     checks = [("target.capture_layers", wanted, have, "dspark_target_layer_ids"),
-              ("drafter.mask_token_id", theirs["mask_token_id"], cfg.mask_token_id, "dspark_noise_token_id"),
-              ("drafter.head_rank", theirs["head_rank"], cfg.head_rank, "dspark_markov_rank"),
-              ("drafter.num_layers", theirs["num_layers"], cfg.num_layers, "n_mtp_layers")]
+              ("drafter.mask_token_id", theirs.get("mask_token_id"), cfg.mask_token_id, "dspark_noise_token_id"),
+              ("drafter.head_rank", theirs.get("head_rank"), cfg.head_rank, "dspark_markov_rank"),
+              ("drafter.num_layers", theirs.get("num_layers"), cfg.num_layers, "n_mtp_layers")]
     for setting, their, ours, key in checks:
         if their is not None and their != ours:
             raise UserError(f"{src}: its {key} is {their}, this recipe has {setting}={ours}: set {setting}={their}")
