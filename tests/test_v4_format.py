@@ -308,3 +308,31 @@ def test_import_refuses_mtp_without_dspark_and_mismatched_recipes(hosts, tmp_pat
     cfg = drafter_cfg(init_from=str(out))
     with pytest.raises(UserError, match=r"set target.capture_layers=\[0, 1, 2\]"):
         artifacts.init_weights(twin, cfg, SimpleNamespace(capture_layers=[0, 1, 3]))
+
+
+def _tool(capsys, monkeypatch, *argv) -> tuple[int, str, str]:
+    """tools/make_tiny_checkpoint.py in this process."""
+    import runpy
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["make_tiny_checkpoint.py", *map(str, argv)])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(Path(__file__).parents[1] / "tools" / "make_tiny_checkpoint.py"), run_name="__main__")
+    out = capsys.readouterr()
+    return stop.value.code, out.out, out.err
+
+
+def test_make_tiny_checkpoint_dspark(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "v4"
+    code, said, _ = _tool(capsys, monkeypatch, "--family", "deepseek_v4", "--fp8", "--block", "8", "--dspark", "2", out)
+    assert code == 0 and "a 2-layer DSpark drafter in mtp.*" in said
+    art = artifacts.read_artifact(out)
+    assert art.drafter_cfg["num_layers"] == 2 and art.target_cfg["capture_layers"] == [2, 3]  # the last 2 of 4 layers
+    assert art.state["mtp.1.attn.wq_a.weight"].dtype == torch.bfloat16  # FP8 on disk, read exactly as bf16
+    for argv, message in [(["--family", "deepseek_v3", "--dspark", "1"], "belongs in a DeepSeek-V4 checkpoint"),
+                          (["--family", "deepseek_v4", "--fp4-experts"], "add --fp8"),
+                          (["--family", "deepseek_v4", "--fp8", "--fp4-experts"], "not a multiple of 32")]:
+        code, _, err = _tool(capsys, monkeypatch, *argv, tmp_path / "x")
+        errors = [line for line in err.splitlines() if line.startswith("error:")]  # (transformers' progress bars aside)
+        assert code == 2 and len(errors) == 1 and message in errors[0], err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["v4"], "a failed write leaves nothing"

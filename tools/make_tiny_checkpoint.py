@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from dstrain.errors import UserError, cli_main
@@ -63,13 +64,25 @@ def main() -> int:
         raise UserError("--fp4-experts quantises the experts of an FP8 checkpoint: add --fp8")
     if args.dspark < 0:
         raise UserError(f"--dspark {args.dspark}: give the number of draft layers (≥ 1), or leave it out")
-    write_checkpoint(out, hf_config, seed=args.seed, shards=shards, fp8_block=args.block if args.fp8 else None, skip=skip,
-                     expert_dtype="fp4" if args.fp4_experts else None,
-                     dspark={"num_layers": args.dspark} if args.dspark else None)
-    if args.tokenizer:
-        from dstrain.targets.tiny_checkpoint import write_tokenizer
+    if args.dspark and hf_config.get("model_type") != "deepseek_v4":
+        raise UserError(f"--dspark: a DSpark mtp.* section belongs in a DeepSeek-V4 checkpoint, not {hf_config.get('model_type')}")
+    # written beside `out`, renamed into place when whole: a failure leaves no half-written checkpoint
+    staging = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write_checkpoint(staging, hf_config, seed=args.seed, shards=shards, fp8_block=args.block if args.fp8 else None,
+                         skip=skip, expert_dtype="fp4" if args.fp4_experts else None,
+                         dspark={"num_layers": args.dspark} if args.dspark else None)
+        if args.tokenizer:
+            from dstrain.targets.tiny_checkpoint import write_tokenizer
 
-        print(f"tokenizer fingerprint {write_tokenizer(out, hf_config['vocab_size'])}")
+            print(f"tokenizer fingerprint {write_tokenizer(staging, hf_config['vocab_size'])}")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     files = sorted(p.name for p in out.glob("*.safetensors"))
     size = sum((out / f).stat().st_size for f in files)
     print(f"wrote {out}: {hf_config['model_type']}, {len(files)} safetensors file(s), {size / 2**20:.2f} MiB"

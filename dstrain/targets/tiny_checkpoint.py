@@ -116,7 +116,11 @@ def quantise_fp8(folder: str | Path, block: int | tuple[int, int] = 128, skip: l
         out = {}
         for key, t in tensors.items():
             if expert_dtype == "fp4" and ".experts." in key and quantised_by_deepseek(key, tuple(t.shape), skip):
-                q, scale = fp4_blocks(t)
+                try:
+                    q, scale = fp4_blocks(t)
+                except UserError as exc:
+                    raise UserError(f"{key}: {exc}; FP4 experts need hidden_size and moe_intermediate_size multiples of "
+                                    "32") from None
                 out[key], out[key[: -len("weight")] + "scale"] = q, scale.to(torch.float8_e8m0fnu)
                 index["weight_map"][key[: -len("weight")] + "scale"] = name
                 count += 1
