@@ -10,8 +10,9 @@ is refused in one line before any weights load.
 
 --format deepseek-v4 writes a V4 DSpark drafter (one trained on a DeepSeek-V4 target) in DeepSeek-V4's own layout:
 mtp.{i}.* safetensors shards + model.safetensors.index.json + config.json (the target's, with dspark_target_layer_ids,
-dspark_markov_rank, dspark_noise_token_id, n_mtp_layers, ...), quantised like the target checkpoint (FP8 128x128 blocks
-with ue8m0 `.scale`, FP4 experts, or bf16), to drop beside the target's checkpoint. It is written for vLLM
+dspark_markov_rank, dspark_noise_token_id, n_mtp_layers, ...), quantised like the target checkpoint (FP8 e4m3 in its
+blocks, 128x128 for V4-Flash, with ue8m0 `.scale`; FP4 experts where its experts are FP4; or bf16), to drop beside
+the target's checkpoint (shards named mtp-*, so they can also be copied into it, index entries merged). It is written for vLLM
 DSparkDeepseekV4ForCausalLM (vllm/models/deepseek_v4/nvidia/dspark.py @ 03435722) and SGLang
 DeepseekV4ForCausalLMDSpark (python/sglang/srt/models/deepseek_v4_dspark.py @ 00e5caa8) as transcribed from their
 loaders; no engine was run here. The reference to compare a served drafter with: the released drafter's greedy
