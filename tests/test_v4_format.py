@@ -308,6 +308,13 @@ def test_import_refuses_mtp_without_dspark_and_mismatched_recipes(hosts, tmp_pat
     cfg = drafter_cfg(init_from=str(out))
     with pytest.raises(UserError, match=r"set target.capture_layers=\[0, 1, 2\]"):
         artifacts.init_weights(twin, cfg, SimpleNamespace(capture_layers=[0, 1, 3]))
+    with pytest.raises(UserError, match="a V4 DSpark drafter .*, but this recipe builds a Linear"):
+        artifacts.init_weights(torch.nn.Linear(2, 2), cfg, SimpleNamespace(capture_layers=CAPTURE))
+    config = json.loads((out / "config.json").read_text())
+    del config["dspark_markov_rank"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="config.json: no dspark_markov_rank"):
+        artifacts.read_artifact(out, need_target=False)
 
 
 def _tool(capsys, monkeypatch, *argv) -> tuple[int, str, str]:

@@ -287,17 +287,18 @@ def read(folder: Path, config: dict) -> tuple[dict, list[int], dict[str, torch.T
 
     with CheckpointReader(folder, torch.float32) as reader:
         names = set(reader.keys())
-        mtp = sorted(k for k in names if k.startswith("mtp.") and not k.endswith(SCALES) and not _rel(k).endswith(NOT_DRAFTER))
+        mtp = sorted(k for k in names if k.startswith("mtp.") and not k.endswith(SCALES) and _rel(k) not in NOT_DRAFTER)
         if not mtp:
             raise UserError(f"{folder}: a DeepSeek-V4 checkpoint with no mtp.* weights, so no drafter: point at a DSpark "
                             f"release or a dstrain --format {FORMAT} export")
         if "mtp.0.main_proj.weight" not in names:
             raise UserError(f"{folder}: its mtp.* section is DeepSeek's own one-layer MTP (no mtp.0.main_proj), not a DSpark "
                             "drafter: dstrain loads DSpark drafters only")
-        missing = [k for k in ("dspark_target_layer_ids", "dspark_markov_rank", "dspark_noise_token_id") if config.get(k) is None]
+        missing = [k for k in ("dspark_target_layer_ids", "dspark_markov_rank", "dspark_noise_token_id", "sliding_window")
+                   if config.get(k) is None]
         if missing:
             raise UserError(f"{folder}/config.json: no {', '.join(missing)}: a DSpark drafter's config names its target "
-                            "layers, Markov rank and noise token")
+                            "layers, Markov rank, noise token and window")
         n = len({k.split(".")[1] for k in mtp})
         ids = [int(i) for i in config["dspark_target_layer_ids"]]
         if int(config.get("n_mtp_layers", n)) != n or len(ids) != n:
