@@ -343,3 +343,22 @@ def test_make_tiny_checkpoint_dspark(tmp_path, capsys, monkeypatch):
         errors = [line for line in err.splitlines() if line.startswith("error:")]  # (transformers' progress bars aside)
         assert code == 2 and len(errors) == 1 and message in errors[0], err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["v4"], "a failed write leaves nothing"
+
+
+def test_only_what_the_host_quantises_is_quantised_and_shards_keep_scales_with_weights(tmp_path):
+    """A host keeping wo_a unquantised (modules_to_not_convert) gets a drafter with wo_a unquantised too; small shards
+    never separate a weight from its scale, and the folder reads back the same as one written in a single shard."""
+    host = write_checkpoint(tmp_path / "host", HOST, shards=2, fp8_block=BLOCK, skip=["wo_a"])
+    drafter = make_drafter(host)
+    out, scheme = v4_format.export(drafter, host, tmp_path / "d", CAPTURE, max_shard_bytes=32 << 10)
+    assert "attn.wo_a.weight" not in scheme.fp8 and "attn.wo_b.weight" in scheme.fp8
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 3 and all(name.startswith("mtp-") for name in index.values())
+    assert all(index[k] == index[k.removesuffix(".scale") + ".weight"] for k in index if k.endswith(".scale"))
+    stored = disk(out)
+    assert stored["mtp.0.attn.wo_a.weight"].dtype == torch.bfloat16  # as the host stores its wo_a, no scale
+    assert "mtp.0.attn.wo_a.scale" not in stored and stored["mtp.0.attn.wo_b.weight"].dtype == torch.float8_e4m3fn
+    one, _ = v4_format.export(drafter, host, tmp_path / "one", CAPTURE)
+    assert len(set(json.loads((one / "model.safetensors.index.json").read_text())["weight_map"].values())) == 1
+    a, b = import_into(out, host).state_dict(), import_into(one, host).state_dict()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
