@@ -177,9 +177,8 @@ def init_weights(drafter, cfg, frozen) -> tuple[DrafterArtifact, list[str]]:
     Two differences are bridged, so an older drafter can move to the exportable settings: q/k norms this recipe adds
     start at weight 1 (RMSNorm's neutral scale: q and k become unit-RMS per head, which changes the attention
     temperature, so fine-tune), and a learned mask vector gives way to the target's embedding of mask_token_id."""
-    from dstrain.recipe import DrafterConfig
-
     from dstrain.decoding import v4_format
+    from dstrain.recipe import DrafterConfig
 
     art = read_artifact(cfg.init_from, need_target=False)
     src = f"drafter.init_from={cfg.init_from}"
@@ -291,10 +290,8 @@ FORMATS = ("dstrain", "speculators", "deepspec", "sglang-eagle3", "deepseek-v4")
 def check_export(artifact: DrafterArtifact, fmt: str, engine: str | None = None) -> str:
     """Refuse before any weights load what `fmt` cannot express or `engine` cannot load (decoding/engines.py);
     returns the line naming the engine release to serve it with."""
-    from dstrain.decoding import engines
+    from dstrain.decoding import engines, v4_format
     from dstrain.recipe import DrafterConfig
-
-    from dstrain.decoding import v4_format
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: not a format (choose from {', '.join(FORMATS)})")
