@@ -15,7 +15,8 @@ No engine was run: this checks names and shapes against the transcription, not a
 
 What is checked: the fixture is well formed (every weight says which engines read it, every source has repo, path and
 commit), and V4DraftLayer's state_dict() keys are exactly the per-layer names (`{e}` over the routed experts), each
-shape equal to its formula evaluated on a tiny DeepseekV4Config.
+shape equal to its formula evaluated on a tiny DeepseekV4Config; --format deepseek-v4's storage rules (what stays
+fp32, what may be quantised) are the fixture's. The export itself is checked against the fixture in test_v4_format.py.
 """
 
 import json
@@ -72,3 +73,17 @@ def test_draft_layer_state_dict_is_the_engines_layer_schema(schema):
     assert sorted(set(got) - set(want)) == [], "names the engines do not read"
     assert sorted(set(want) - set(got)) == [], "names the engines read that the layer lacks"
     assert {k: s for k, s in got.items() if s != want[k]} == {}, "shapes unlike the engines'"
+
+
+def test_export_storage_rules_are_the_fixtures(schema):
+    """decoding/v4_format.py's lists say which tensors --format deepseek-v4 keeps fp32 and which it may quantise: they
+    must be the fixture's (dtype "float32"; `quantised` "per quant_config" or the experts' expert_dtype), no more."""
+    from dstrain.decoding import v4_format
+
+    entries = {**schema["layer_weights"], **schema["drafter_weights"]}
+    fp32 = {n for n, e in entries.items() if e["dtype"] == "float32"}
+    assert {n for n in entries if v4_format._keeps_fp32(n)} == fp32
+    per_config = {n for n, e in entries.items() if e["quantised"].startswith("per quant_config")}
+    assert set(v4_format.LINEARS) | {"main_proj.weight"} == per_config
+    experts = {n for n, e in entries.items() if e["dtype"] == "expert_dtype"}
+    assert experts == {n for n in entries if v4_format.EXPERT.search(n.replace("{e}", "0"))}

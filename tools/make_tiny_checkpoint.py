@@ -9,12 +9,17 @@ LM head (and DeepSeek-V4's compressor / indexer scoring projections) stay BF16.
 
   tools/make_tiny_checkpoint.py --family deepseek_v3 --fp8 --block 8 /tmp/v3-fp8
   tools/make_tiny_checkpoint.py --family deepseek_v4 --fp8 --block 8 --tokenizer /tmp/v4-flash-tiny
+  tools/make_tiny_checkpoint.py --family deepseek_v4 --fp8 --block 8 --dspark 2 /tmp/v4-flash-dspark-tiny
+
+--dspark N (DeepSeek-V4) adds a tiny released DSpark drafter of N layers in the checkpoint's mtp.* section with its
+dspark_* config keys, quantised like the checkpoint (a drafter.init_from / dstrain evaluate test folder).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from dstrain.errors import UserError, cli_main
@@ -32,6 +37,9 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true", help="DeepSeek block-FP8 layout (float8_e4m3fn + weight_scale_inv)")
     ap.add_argument("--block", type=int, default=128, help="FP8 block size (small values make tiny tensors span blocks)")
     ap.add_argument("--not-convert", default="", help="comma-separated modules to keep unquantised (modules_to_not_convert)")
+    ap.add_argument("--fp4-experts", action="store_true", help="with --fp8: routed experts FP4 as DeepSeek-V4-Flash ships them")
+    ap.add_argument("--dspark", type=int, default=0, metavar="N",
+                    help="DeepSeek-V4: add an N-layer DSpark drafter (mtp.*, dspark_* config keys) reading the last N layers")
     ap.add_argument("--tokenizer", action="store_true",
                     help="also write a word-level tokenizer over the vocabulary (a recipe can then use the folder as target.path)")
     args = ap.parse_args()
@@ -52,15 +60,34 @@ def main() -> int:
         raise UserError(f"--block {args.block} must be ≥ 1")
     shards = args.shards or (1 if args.family in SINGLE_FILE else 4)
     skip = [m for m in args.not_convert.split(",") if m]
-    write_checkpoint(out, hf_config, seed=args.seed, shards=shards, fp8_block=args.block if args.fp8 else None, skip=skip)
-    if args.tokenizer:
-        from dstrain.targets.tiny_checkpoint import write_tokenizer
+    if args.fp4_experts and not args.fp8:
+        raise UserError("--fp4-experts quantises the experts of an FP8 checkpoint: add --fp8")
+    if args.dspark < 0:
+        raise UserError(f"--dspark {args.dspark}: give the number of draft layers (≥ 1), or leave it out")
+    if args.dspark and hf_config.get("model_type") != "deepseek_v4":
+        raise UserError(f"--dspark: a DSpark mtp.* section belongs in a DeepSeek-V4 checkpoint, not {hf_config.get('model_type')}")
+    # written beside `out`, renamed into place when whole: a failure leaves no half-written checkpoint
+    staging = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write_checkpoint(staging, hf_config, seed=args.seed, shards=shards, fp8_block=args.block if args.fp8 else None,
+                         skip=skip, expert_dtype="fp4" if args.fp4_experts else None,
+                         dspark={"num_layers": args.dspark} if args.dspark else None)
+        if args.tokenizer:
+            from dstrain.targets.tiny_checkpoint import write_tokenizer
 
-        print(f"tokenizer fingerprint {write_tokenizer(out, hf_config['vocab_size'])}")
+            print(f"tokenizer fingerprint {write_tokenizer(staging, hf_config['vocab_size'])}")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     files = sorted(p.name for p in out.glob("*.safetensors"))
     size = sum((out / f).stat().st_size for f in files)
     print(f"wrote {out}: {hf_config['model_type']}, {len(files)} safetensors file(s), {size / 2**20:.2f} MiB"
-          + (f", FP8 blocks {args.block}x{args.block}" if args.fp8 else ""))
+          + (f", FP8 blocks {args.block}x{args.block}" if args.fp8 else "") + (", FP4 experts" if args.fp4_experts else "")
+          + (f", a {args.dspark}-layer DSpark drafter in mtp.*" if args.dspark else ""))
     return 0
 
 

@@ -8,6 +8,17 @@ is refused in one line before any weights load.
 
   dstrain export runs/smollm2-moe-dspark exports/smollm2-moe-dspark
 
+--format deepseek-v4 writes a V4 DSpark drafter (one trained on a DeepSeek-V4 target) in DeepSeek-V4's own layout:
+mtp.{i}.* safetensors shards + model.safetensors.index.json + config.json (the target's, with dspark_target_layer_ids,
+dspark_markov_rank, dspark_noise_token_id, n_mtp_layers, ...), quantised like the target checkpoint (FP8 e4m3 in its
+blocks, 128x128 for V4-Flash, with ue8m0 `.scale`; FP4 experts where its experts are FP4; or bf16), to drop beside
+the target's checkpoint (shards named mtp-*, so they can also be copied into it, index entries merged). It is written for vLLM
+DSparkDeepseekV4ForCausalLM (vllm/models/deepseek_v4/nvidia/dspark.py @ 03435722) and SGLang
+DeepseekV4ForCausalLMDSpark (python/sglang/srt/models/deepseek_v4_dspark.py @ 00e5caa8) as transcribed from their
+loaders; no engine was run here. The reference to compare a served drafter with: the released drafter's greedy
+acceptance, 4.42 tokens/round on the V4-Flash preview at gamma=5. Other formats refuse a V4 drafter, and
+deepseek-v4 refuses any other.
+
 dstrain eval and dstrain calibrate load the folder without the training recipe; loading it against
 another target is a one-line error. Of the target, export reads its config and the two tensors a drafter is bound to
 (embedding and LM head, straight from its safetensors), whatever backend trained the drafter.
@@ -23,10 +34,12 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", help="training run folder (or an export folder, to re-export)")
     ap.add_argument("out", help="folder to write (replaced atomically)")
-    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3"],
+    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3", "deepseek-v4"],
                     help="dstrain: our own folder; speculators: the format vLLM loads (DSpark, DFlash, Eagle3, MTP-1); deepspec: "
                          "the DSpark layout SGLang's DSparkDraftModel reads; sglang-eagle3: SGLang's own Eagle3 layout "
-                         "(see dstrain/decoding/formats.py)")
+                         "(see dstrain/decoding/formats.py); deepseek-v4: a V4 DSpark drafter as vLLM "
+                         "DSparkDeepseekV4ForCausalLM (@ 03435722) and SGLang DeepseekV4ForCausalLMDSpark (@ 00e5caa8) "
+                         "load it, quantised like the target (dstrain/decoding/v4_format.py)")
     ap.add_argument("--engine", choices=["vllm", "sglang", "speculators", "dstrain"],
                     help="the program that will load the export (default: the format's: speculators -> vllm, deepspec and "
                          "sglang-eagle3 -> sglang); what it cannot load is refused before any weights load, and the minimum "

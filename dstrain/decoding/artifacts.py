@@ -63,8 +63,10 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
     cfg_file = folder / "config.json"
     if cfg_file.is_file():
         cfg = json.loads(cfg_file.read_text())
-        from dstrain.decoding import formats
+        from dstrain.decoding import formats, v4_format
 
+        if v4_format.is_v4_folder(cfg):
+            return _v4_artifact(folder, cfg, name, recipe_path, need_target)
         if formats.is_speculators(cfg) or formats.is_deepspec(cfg) or formats.is_sglang_eagle3(cfg):
             return _speculators_artifact(folder, cfg, name, recipe_path, need_target)
         if cfg.get("format") != EXPORT_FORMAT:
@@ -135,6 +137,35 @@ def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str |
                            ours.get("trained_steps"), seed)
 
 
+def _v4_artifact(folder: Path, cfg: dict, name: str, recipe_path: str | None, need_target: bool) -> DrafterArtifact:
+    """A DeepSeek-V4-layout folder (decoding/v4_format.py): our --format deepseek-v4 export, or a checkpoint shipping
+    a DSpark drafter in its mtp.* section. The target: the recipe's (--recipe), ours when we wrote it, else the
+    checkpoint folder itself when it holds the target's layers."""
+    from dstrain.decoding import v4_format
+
+    drafter_cfg, capture, state, ours = v4_format.read(folder, cfg)
+    if recipe_path is not None:
+        from dstrain.recipe import load_recipe
+
+        recipe = load_recipe(recipe_path).model_dump(mode="json")
+        target_cfg, seed = recipe["target"], recipe.get("run", {}).get("seed", 0)
+    elif "target" in ours:
+        target_cfg, seed = ours["target"], ours.get("target_seed", 0)
+        trained = target_cfg.get("capture_layers")
+        if trained is not None and list(trained) != capture:
+            raise UserError(f"{folder}: dspark_target_layer_ids {capture} in config.json, but the drafter was trained on "
+                            f"capture layers {list(trained)}: a damaged export, re-export it")
+    elif v4_format.holds_target(folder, cfg):
+        target_cfg, seed = {"name": folder.name, "source": "path", "path": str(folder)}, 0
+    elif not need_target:
+        target_cfg, seed = {}, 0
+    else:
+        raise UserError(f"{folder}: a V4 DSpark drafter without its target: pass --recipe RECIPE naming its target")
+    return DrafterArtifact(name, folder, drafter_cfg, {**target_cfg, "capture_layers": capture}, state,
+                           ours.get("target_fingerprint"), _read_sts(folder) or ours.get("sts_temperatures"),
+                           ours.get("trained_steps"), seed)
+
+
 SEMANTIC_FIELDS = ("type", "sample_from_anchor", "mask_token_id", "qk_norm", "head", "confidence", "sliding_window")
 
 
@@ -146,10 +177,14 @@ def init_weights(drafter, cfg, frozen) -> tuple[DrafterArtifact, list[str]]:
     Two differences are bridged, so an older drafter can move to the exportable settings: q/k norms this recipe adds
     start at weight 1 (RMSNorm's neutral scale: q and k become unit-RMS per head, which changes the attention
     temperature, so fine-tune), and a learned mask vector gives way to the target's embedding of mask_token_id."""
+    from dstrain.decoding import v4_format
     from dstrain.recipe import DrafterConfig
 
     art = read_artifact(cfg.init_from, need_target=False)
     src = f"drafter.init_from={cfg.init_from}"
+    if v4_format.is_v4_state(art.state) or hasattr(drafter, "mtp"):  # the V4 layout: its own checks (noise, rank, ..)
+        v4_format.init(drafter, cfg, art, frozen, src)
+        return art, []
     if art.fingerprint is not None and art.fingerprint != fingerprint(frozen):
         raise UserError(f"{src}: trained against a target with fingerprint {art.fingerprint}, this run's target has "
                         f"{fingerprint(frozen)}: start from a drafter of this target")
@@ -249,17 +284,33 @@ def build(artifact: DrafterArtifact, target):
     return drafter.eval()
 
 
-FORMATS = ("dstrain", "speculators", "deepspec", "sglang-eagle3")
+FORMATS = ("dstrain", "speculators", "deepspec", "sglang-eagle3", "deepseek-v4")
 
 
 def check_export(artifact: DrafterArtifact, fmt: str, engine: str | None = None) -> str:
     """Refuse before any weights load what `fmt` cannot express or `engine` cannot load (decoding/engines.py);
     returns the line naming the engine release to serve it with."""
-    from dstrain.decoding import engines
+    from dstrain.decoding import engines, v4_format
     from dstrain.recipe import DrafterConfig
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: not a format (choose from {', '.join(FORMATS)})")
+    v4 = v4_format.is_v4_state(artifact.state)
+    if fmt == v4_format.FORMAT:
+        if not v4:
+            raise UserError(f"--format {fmt}: this {artifact.drafter_cfg.get('type')} drafter is not a V4 DSpark drafter "
+                            "(mtp.* layout, trained on a DeepSeek-V4 target): export it with --format speculators, "
+                            "deepspec or dstrain")
+        if engine not in (None, *v4_format.ENGINES):
+            raise UserError(f"--engine {engine} does not read --format {fmt} (vLLM and SGLang do): drop --engine or "
+                            "name vllm or sglang")
+        capture = artifact.target_cfg.get("capture_layers")
+        if capture:
+            v4_format.check_layers(int(artifact.drafter_cfg.get("num_layers", len(capture))), capture)
+        return v4_format.LOADS_IN
+    if v4 and fmt != "dstrain":
+        raise UserError(f"--format {fmt}: a V4 DSpark drafter (mtp.* layout) has no place in that layout: export it with "
+                        f"--format {v4_format.FORMAT}")
     return engines.check(DrafterConfig(**artifact.drafter_cfg), fmt, engine)
 
 
@@ -274,6 +325,8 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain", e
 
     check_export(artifact, fmt, engine)
     drafter = build(artifact, target)
+    if fmt == "deepseek-v4":
+        return _export_v4(artifact, target, drafter, out)
     spec = spec_from_config(_config(target), len(target.capture_layers))
     binding = {"target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)}, "target_name": target.name,
                "target_fingerprint": fingerprint(target), "target_seed": artifact.target_seed, "trained_steps": artifact.steps}
@@ -317,3 +370,17 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain", e
         shutil.rmtree(out)
     staging.rename(out)
     return out
+
+
+def _export_v4(artifact: DrafterArtifact, target, drafter, out: Path) -> Path:
+    """--format deepseek-v4 (decoding/v4_format.py), quantised like the target checkpoint it is served beside."""
+    from dstrain.decoding import v4_format
+    from dstrain.recipe import TargetConfig
+    from dstrain.targets import checkpoint_folder
+
+    host = checkpoint_folder(TargetConfig(**artifact.target_cfg), artifact.target_seed)
+    binding = {"target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)}, "target_name": target.name,
+               "target_fingerprint": fingerprint(target), "target_seed": artifact.target_seed,
+               "trained_steps": artifact.steps, "drafter": artifact.drafter_cfg, "exported_from": str(artifact.source)}
+    path, _ = v4_format.export(drafter, host, out, list(target.capture_layers), binding, artifact.temperatures)
+    return path

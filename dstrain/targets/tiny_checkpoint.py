@@ -58,8 +58,14 @@ def quantised_by_deepseek(key: str, shape: tuple[int, ...], skip: list[str]) -> 
             and not any(k in key for k in KEEP_BF16) and not any(f".{m}." in f".{key}" for m in skip))
 
 
-def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 scale_inv [ceil(R/b0), ceil(C/b1)]) with scale_inv = block amax / 448."""
+def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ≥ x: a ue8m0 scale (exponent only), as DeepSeek-V4 stores its `.scale` tensors."""
+    return torch.exp2(torch.ceil(torch.log2(x)))
+
+
+def fp8_blocks(w: torch.Tensor, block: tuple[int, int], pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv [ceil(R/b0), ceil(C/b1)]) with scale_inv = block amax / 448, or with
+    pow2 its power-of-two ceiling (ue8m0: the block's amax then lands in (224, 448])."""
     (R, C), (b0, b1) = w.shape, block
     w = w.float()
     gr, gc = -(-R // b0), -(-C // b1)
@@ -67,12 +73,36 @@ def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, t
     padded[:R, :C] = w.abs()
     amax = padded.view(gr, b0, gc, b1).amax(dim=(1, 3))
     scale = amax.clamp(min=1e-12) / FP8_MAX
+    if pow2:
+        scale = pow2_ceil(scale)
     full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:R, :C]
     return (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def quantise_fp8(folder: str | Path, block: int | tuple[int, int] = 128, skip: list[str] | None = None) -> int:
-    """Rewrite a saved checkpoint's shards in DeepSeek's FP8 layout; returns the number of weights quantised."""
+FP4_GROUP = 32  # DeepSeek-V4's FP4 experts: one ue8m0 scale per 32 consecutive input columns
+FP4_MAX = 6.0  # largest e2m1 magnitude
+FP4_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # between the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
+
+
+def fp4_blocks(w: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [R, C/2]: two e2m1 codes per byte, column 2j in the low nibble as checkpoint.FP4_LUT reads them;
+    float32 power-of-two scales [R, C/group]): each value rounded to the nearest e2m1 magnitude of w / scale."""
+    R, C = w.shape
+    if C % group:
+        raise UserError(f"a [{R}, {C}] weight cannot be FP4-packed: its {C} columns are not a multiple of {group}")
+    w = w.float().view(R, C // group, group)
+    scale = pow2_ceil(w.abs().amax(-1).clamp(min=1e-12) / FP4_MAX)
+    x = w / scale[..., None]
+    code = torch.bucketize(x.abs(), FP4_MIDPOINTS) | (x < 0).to(torch.int64) << 3  # ties round to the larger magnitude
+    code = code.view(R, C)
+    packed = (code[:, 0::2] | code[:, 1::2] << 4).to(torch.uint8)
+    return packed.view(torch.int8), scale
+
+
+def quantise_fp8(folder: str | Path, block: int | tuple[int, int] = 128, skip: list[str] | None = None,
+                 expert_dtype: str | None = None) -> int:
+    """Rewrite a saved checkpoint's shards in DeepSeek's FP8 layout; returns the number of weights quantised.
+    expert_dtype="fp4": routed experts as DeepSeek-V4-Flash ships them instead (fp4_blocks, `X.scale` ue8m0)."""
     from safetensors.torch import load_file, save_file
 
     folder, skip = Path(folder), list(skip or [])
@@ -85,7 +115,16 @@ def quantise_fp8(folder: str | Path, block: int | tuple[int, int] = 128, skip: l
         tensors = load_file(folder / name)
         out = {}
         for key, t in tensors.items():
-            if quantised_by_deepseek(key, tuple(t.shape), skip):
+            if expert_dtype == "fp4" and ".experts." in key and quantised_by_deepseek(key, tuple(t.shape), skip):
+                try:
+                    q, scale = fp4_blocks(t)
+                except UserError as exc:
+                    raise UserError(f"{key}: {exc}; FP4 experts need hidden_size and moe_intermediate_size multiples of "
+                                    "32") from None
+                out[key], out[key[: -len("weight")] + "scale"] = q, scale.to(torch.float8_e8m0fnu)
+                index["weight_map"][key[: -len("weight")] + "scale"] = name
+                count += 1
+            elif quantised_by_deepseek(key, tuple(t.shape), skip):
                 q, scale = fp8_blocks(t, block)
                 out[key], out[key[: -len("weight")] + "weight_scale_inv"] = q, scale
                 index["weight_map"][key[: -len("weight")] + "weight_scale_inv"] = name
@@ -101,6 +140,8 @@ def quantise_fp8(folder: str | Path, block: int | tuple[int, int] = 128, skip: l
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": list(block), **({"modules_to_not_convert": skip} if skip else {})}
+    if expert_dtype:
+        cfg["expert_dtype"] = expert_dtype
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
     return count
 
@@ -114,13 +155,16 @@ def family_config(family: str | None = None, config: dict | None = None) -> dict
 
 
 def write_checkpoint(out: str | Path, hf_config: dict, *, seed: int = 0, shards: int = 4, fp8_block=None,
-                     skip: list[str] | None = None, widen: float = 1.0) -> Path:
+                     skip: list[str] | None = None, widen: float = 1.0, expert_dtype: str | None = None,
+                     dtype: str = "float32", dspark: dict | None = None) -> Path:
     """A random model of `hf_config` saved to `out` in about `shards` files (1: a single model.safetensors),
-    optionally in DeepSeek's FP8 layout. `widen` scales 2-D weights (bigger activations for parity tests)."""
+    optionally in DeepSeek's FP8 layout (expert_dtype="fp4": V4-Flash's FP4 experts). `widen` scales 2-D weights
+    (bigger activations for parity tests). `dspark` (DeepSeek-V4 only): add_dspark's keyword arguments, a released
+    DSpark drafter in the checkpoint's mtp.* section."""
     from dstrain.targets.hf import random_model
 
     out = Path(out)
-    model = random_model(hf_config, seed, "float32")
+    model = random_model(hf_config, seed, dtype)
     hash_tables(model, seed)
     if widen != 1.0:
         with torch.no_grad():
@@ -135,8 +179,43 @@ def write_checkpoint(out: str | Path, hf_config: dict, *, seed: int = 0, shards:
     if not (out / "config.json").is_file():
         raise RuntimeError(f"save_pretrained wrote no config.json into {out}")
     if fp8_block:
-        quantise_fp8(out, fp8_block, skip)
+        quantise_fp8(out, fp8_block, skip, expert_dtype)
+    if dspark is not None:
+        add_dspark(out, seed=seed, **dspark)
     return out
+
+
+def add_dspark(folder: str | Path, *, num_layers: int = 2, rank: int = 16, noise_token_id: int | None = None,
+               target_layer_ids: list[int] | None = None, block_size: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A tiny released DSpark drafter inside a DeepSeek-V4 checkpoint, as V4-Flash-0731 ships one: a random
+    V4BlockDrafter (away from its init, so every head matters) in the checkpoint's own mtp.* section, quantised like
+    the checkpoint (decoding/v4_format.py), and its dspark_* config keys. Returns its fp32 state dict (before
+    quantisation), what a reader of the folder should get back within the quantisation error."""
+    from types import SimpleNamespace
+
+    from dstrain.decoding.v4_format import add_to_checkpoint
+    from dstrain.models.contract import spec_from_config
+    from dstrain.models.v4_drafter import V4BlockDrafter
+    from dstrain.targets.configs import load_config
+
+    config = load_config(folder)
+    if config.model_type != "deepseek_v4":
+        raise UserError(f"--dspark: a DSpark mtp.* section belongs in a DeepSeek-V4 checkpoint, not {config.model_type}")
+    layers = config.num_hidden_layers
+    ids = list(target_layer_ids) if target_layer_ids is not None else list(range(max(0, layers - num_layers), layers))
+    noise = config.vocab_size - 1 if noise_token_id is None else noise_token_id
+    cfg = SimpleNamespace(num_layers=num_layers, mask_token_id=noise, head_rank=rank, confidence=True,
+                          sliding_window=config.sliding_window, block_size=block_size)
+    torch.manual_seed(seed + 1)
+    drafter = V4BlockDrafter(cfg, spec_from_config(config, len(ids)), torch.nn.Embedding(config.vocab_size, config.hidden_size),
+                             config)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "hc" in name else 0.1))
+        for m in drafter.moe_layers():
+            m.gate.bias.normal_(0, 0.3)
+    add_to_checkpoint(folder, drafter, ids)
+    return {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
 
 
 def write_tokenizer(folder: str | Path, vocab_size: int) -> str:
