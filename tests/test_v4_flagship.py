@@ -6,6 +6,8 @@ Two launches of 4 ranks (2 drafters + 2 target ranks): (1) tests/dist/run_recipe
 (checkpoints at 3 and 6) with a TP=2 × EP=2 target, then with a PP=2 target; (2) after the PP=2 run's step-6
 checkpoint is removed (a crash after step 3), the flagship command itself resumes it. Checks: both target layouts
 give the same losses, features crossed the channel, checkpoints exist, the resumed steps 4-6 equal the originals.
+The drafter is the recipe's own (drafter.backbone=v4: V4BlockDrafter, its layers the tiny target's shape), and its
+checkpoint is the engines' mtp.{i} layout with every draft layer's routing bias moved by the aux-loss-free balance.
 """
 
 import json
@@ -33,8 +35,9 @@ V4 = dict(model_type="deepseek_v4", vocab_size=128, hidden_size=32, num_hidden_l
 def overrides(ckpt, shards, out, layout: list[str], steps: int) -> list[str]:
     return [f"target.path={ckpt}", "target.dtype=float32", "deepspeed.precision=fp32", "world.drafter_ranks=2",
             "world.ranks_per_node=null",  # the recipe's 8-GPU nodes: here one 4-process launch
-            "world.target.dp=1", *layout, "drafter.num_heads=4", "drafter.head_dim=8", "drafter.ffn.num_experts=4",
-            "drafter.ffn.intermediate_size=32", "drafter.head_rank=16", "drafter.mask_token_id=127", "drafter.sliding_window=16",
+            "world.target.dp=1", *layout,
+            # the recipe's V4-native drafter, its layers the tiny target's shape: only what is not the target's changes
+            "drafter.head_rank=16", "drafter.mask_token_id=127", "drafter.sliding_window=16",
             f"data.shards={shards}", "data.max_length=96", "data.shuffle=false", "anchors.per_sequence=8",
             f"train.steps={steps}", "train.micro_batch_size=1", "train.grad_accum=1", "train.warmup_steps=1",
             "train.log_every=1", "train.checkpoint_every=3", "run.wandb_mode=disabled", f"run.output_dir={out}"]

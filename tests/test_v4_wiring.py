@@ -124,3 +124,15 @@ def test_feature_cache_namespace_follows_the_readout_version(monkeypatch):
     now = namespace_of("f", [1, 2], torch.float32, "cpu")
     monkeypatch.setattr(hf, "READOUT_VERSION", hf.READOUT_VERSION + 1)
     assert namespace_of("f", [1, 2], torch.float32, "cpu") != now
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="train/step.py's DraftStep registers drafter.seq_w2 as a "
+                   "ZeRO-3 external parameter; V4BlockDrafter's is a [r, V] view of markov_w2.weight, not a Parameter: "
+                   "DraftStep must register the Parameter behind it (step.py is another helper's)")
+def test_zero3_registers_the_markov_w2_parameter():
+    """Under ZeRO-3 the loss reads W2 outside the drafter's forward: DraftStep must gather markov_w2.weight."""
+    from dstrain.train.step import DraftStep
+
+    drafter = build(DrafterConfig(**V4_KEYS), V4)
+    step = DraftStep(drafter, zero3=True)
+    assert id(drafter.markov_head.markov_w2.weight) in step._external_params
