@@ -113,3 +113,150 @@ def test_an_unaligned_expert_width_is_one_line_naming_the_key():
     with pytest.raises(UserError, match=r"drafter\.ffn\.intermediate_size=100.*multiple of 8"):
         make_ffn(SimpleNamespace(ffn=ffn), spec)
     assert isinstance(make_ffn(SimpleNamespace(ffn=SimpleNamespace(**{**vars(ffn), "intermediate_size": 96})), spec), MoE)
+
+
+# --- the DeepSeek-V4 draft layer's MoE (models/v4_draft_layer.V4DraftMoE) shares grouped_dispatch ---------------------
+
+def v4_moe(experts: int, top_k: int, scoring: str = "sqrtsoftplus", d: int = 16, inter: int = 24, limit: float = 1.0):
+    from dstrain.models.v4_draft_layer import V4DraftDims, V4DraftMoE
+
+    dims = V4DraftDims(hidden=d, heads=2, head_dim=8, rope_dim=4, q_lora=8, o_groups=1, o_lora=8, window=8,
+                       experts=experts, topk=top_k, moe_inter=inter, routed_scale=1.5, scoring=scoring,
+                       swiglu_limit=limit, hc_mult=2, hc_iters=3, hc_eps=1e-6, eps=1e-6)
+    moe = V4DraftMoE(dims)
+    with torch.no_grad():  # the clamp of the SwiGLU acts on ~1/5 of the entries; a selection bias that matters
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+        moe.gate.bias.normal_(0, 0.3)
+    return moe
+
+
+def v4_release_experts(moe) -> dict[str, torch.Tensor]:
+    """Each routed expert's weights as the engines read them (state_dict, release names), as fresh leaves."""
+    state = moe.state_dict()
+    return {k: v.clone().requires_grad_() for k, v in state.items() if k.startswith("experts.")}
+
+
+def v4_loop_forward(moe, x: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The replaced V4DraftMoE.forward (a loop over the experts hit, torch.where per expert), on per-expert weights
+    `w` ({e}.w{1,2,3}.weight under `experts.`), kept as the reference: (output, load by bincount)."""
+    from dstrain.blocks.v4 import clamped_swiglu, route
+
+    flat = x.reshape(-1, x.shape[-1])
+    logits = F.linear(flat.float(), moe.gate.weight.float())
+    weights, picks = route(logits, moe.gate.bias, moe.topk, moe.routed_scale, moe.scoring)
+    limit = moe.shared_experts.limit
+    out = torch.zeros_like(flat)
+    for e in picks.unique().tolist():
+        rows, slot = torch.where(picks == e)
+        h = flat[rows]
+        y = F.linear(clamped_swiglu(F.linear(h, w[f"experts.{e}.w1.weight"]), F.linear(h, w[f"experts.{e}.w3.weight"]),
+                                    limit), w[f"experts.{e}.w2.weight"])
+        out.index_add_(0, rows, y * weights[rows, slot, None].to(flat.dtype))
+    load = torch.bincount(picks.flatten(), minlength=moe.gate.weight.shape[0]).float() / picks.numel()
+    return (out + moe.shared_experts(flat)).view_as(x), load
+
+
+V4_CASES = [  # (experts, top_k, scoring, idle experts: a selection bias of -1e4 never picks them)
+    (4, 2, "sqrtsoftplus", 0), (8, 3, "sqrtsoftplus", 3), (16, 2, "sigmoid", 0), (8, 1, "sigmoid", 2)]
+
+
+@pytest.mark.parametrize("experts,top_k,scoring,idle", V4_CASES)
+def test_v4_moe_grouped_dispatch_equals_the_loop_over_experts(experts, top_k, scoring, idle):
+    """Forward, load and every gradient (input, router, each routed expert's w1/w2/w3 under its release name, shared
+    expert) equal the loop's, fp32; and the routed experts ran as grouped GEMMs (3 forward, 6 backward)."""
+    torch.manual_seed(experts * 10 + top_k)
+    moe = v4_moe(experts, top_k, scoring).train()
+    if idle:
+        with torch.no_grad():
+            moe.gate.bias[-idle:] = -1e4
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    g = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(0))
+    with StepCounter() as c:
+        out = moe(x)
+        (out * g).sum().backward()
+    load = moe.last_load
+    assert c.summary()["kernels_by_op"].get("_grouped_mm") == 9
+    got = {"input": x.grad.clone(), "gate": moe.gate.weight.grad.clone(),
+           **{f"shared.{n}": p.grad.clone() for n, p in moe.shared_experts.named_parameters()},
+           **{f"experts.{e}.{w}.weight": getattr(moe.experts, w).grad[e] for e in range(experts) for w in ("w1", "w2", "w3")}}
+    moe.zero_grad()
+    x.grad = None
+    w = v4_release_experts(moe)
+    ref, ref_load = v4_loop_forward(moe, x, w)
+    (ref * g).sum().backward()
+    want = {"input": x.grad, "gate": moe.gate.weight.grad,
+            **{f"shared.{n}": p.grad for n, p in moe.shared_experts.named_parameters()},
+            **{k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in w.items()}}
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert load.dtype == torch.float32 and torch.equal(load, ref_load)
+    counts = moe.take_load()
+    assert counts.dtype == torch.float32 and counts.sum() == 3 * 7 * top_k
+    torch.testing.assert_close(counts, load * 3 * 7 * top_k)
+    if idle:
+        assert (counts[-idle:] == 0).all() and all((got[f"experts.{e}.w1.weight"] == 0).all()
+                                                    for e in range(experts - idle, experts))
+    assert set(got) == set(want)
+    for name in want:
+        scale = want[name].abs().max().clamp(min=1.0)
+        assert (got[name] - want[name]).abs().max() <= 1e-5 * scale, (name, (got[name] - want[name]).abs().max().item())
+
+
+def _v4_counts(experts: int) -> dict:
+    torch.manual_seed(0)
+    moe = v4_moe(experts, 2).train()
+    x = torch.randn(64, 16, requires_grad=True)
+    with StepCounter() as c:
+        moe(x).square().mean().backward()
+    return c.summary()
+
+
+def test_v4_moe_forward_backward_has_no_syncs_and_ops_independent_of_experts():
+    """The loop it replaced synced 1 + E_hit times per forward (unique, .tolist(), torch.where per expert hit) and ran
+    ~30 kernels per expert hit; the grouped dispatch: none, and the same kernels for 4 experts as for 16."""
+    small, large = _v4_counts(4), _v4_counts(16)
+    for s in (small, large):
+        assert s["syncs_by_kind"] == {"scalar": 0, "shape": 0, "copy": 0}, s["sync_sites"]
+        assert s["host_ops"] == 0, s["host_ops_by_op"]
+        assert s["kernels_by_op"].get("_grouped_mm") == 9  # w1, w3, w2 forward; input and weight grads of each
+    assert small["kernels"] == large["kernels"] and small["kernels_by_op"] == large["kernels_by_op"]
+
+
+def test_v4_moe_in_bf16_with_no_tokens_and_where_grouped_gemm_cannot_run():
+    from dstrain.errors import UserError
+
+    torch.manual_seed(0)
+    moe = v4_moe(4, 2).train()
+    x = torch.randn(40, 16)
+    with torch.no_grad():
+        ref, _ = v4_loop_forward(moe, x, v4_release_experts(moe))
+    moe.take_load()
+    out = moe.to(torch.bfloat16)(x.to(torch.bfloat16).requires_grad_())
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() < 0.05 * ref.abs().max()
+    out.sum().backward()
+    assert moe.experts.w1.grad.dtype == torch.bfloat16 and moe.experts.w2.grad.isfinite().all()
+    counts = moe.take_load()  # fp32 counts whatever the model's dtype (the bf16 gate.bias must not take them)
+    assert counts.dtype == torch.float32 and moe.last_load.dtype == torch.float32 and counts.sum() == 80
+    out = moe.float()(torch.zeros(0, 3, 16))
+    assert out.shape == (0, 3, 16) and moe.last_load.tolist() == [0.0] * 4
+    with pytest.raises(TypeError, match="float64"):  # torch._grouped_mm has no fp64 kernel (as layers.MoE)
+        moe.double()(torch.zeros(5, 16, dtype=torch.float64))
+    with pytest.raises(UserError, match=r"hidden_size \(16\) and moe_intermediate_size \(20\).*multiples of 8"):
+        v4_moe(4, 2, inter=20)
+
+
+def test_v4_moe_state_dict_is_per_expert_and_loads_back():
+    """The stacked weights save under the release names, one tensor per expert (no shared storage: safetensors),
+    load back exactly, and a state dict missing one expert's weight is refused, naming it."""
+    moe = v4_moe(4, 2)
+    state = moe.state_dict()
+    names = [k for k in state if k.startswith("experts.")]
+    assert names == [f"experts.{e}.w{i}.weight" for e in range(4) for i in (1, 2, 3)]
+    assert state["experts.2.w2.weight"].shape == (16, 24) and torch.equal(state["experts.2.w2.weight"], moe.experts.w2[2])
+    assert len({state[k].untyped_storage().data_ptr() for k in names}) == len(names)
+    twin = v4_moe(4, 2)
+    twin.load_state_dict(state, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), state.values()))
+    del state["experts.3.w1.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*experts\.3\.w1\.weight"):
+        twin.load_state_dict(state, strict=True)

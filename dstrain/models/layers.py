@@ -41,15 +41,40 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm's (no float64)
+
+
+def grouped_dispatch(flat: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                     experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' sum without host syncs, shared by MoE and the V4 draft layer's V4DraftMoE: flat [N, d],
+    picks [N, k] expert ids, weights [N, k] (flat's dtype) -> (Σ_j weights[n, j] · expert_{picks[n, j]}(flat[n])
+    [N, d], pairs routed per expert [E] fp32). The N·k (token, slot) pairs are stably sorted by expert (each expert's
+    rows in token order, as a loop over experts takes them), gathered in that order, and `experts(xs, offs)` maps the
+    sorted rows xs [N·k, d] to their outputs given offs [E] int32, each expert's end row (scatter_add + cumsum on the
+    device: bincount would sync on CUDA) — one torch._grouped_mm per expert matmul; the weighted outputs are
+    index_add_-ed back (per token in expert order, as the loop's adds)."""
+    if flat.dtype not in GROUPED_DTYPES:
+        raise TypeError(f"MoE grouped dispatch: torch._grouped_mm takes float32, bfloat16 or float16, not {flat.dtype}")
+    expert = picks.flatten()  # pair p: token p // k, slot p % k
+    order = expert.argsort(stable=True)
+    rows = order.div(picks.shape[-1], rounding_mode="floor")
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    y = experts(flat.index_select(0, rows), offs) * weights.flatten().index_select(0, order)[:, None]
+    return torch.zeros_like(flat).index_add_(0, rows, y), counts.float()
+
+
 class MoE(nn.Module):
     """Top-k routed experts (+ optional shared expert). Balance by an auxiliary loss (Switch-style
     E·Σ f_e·P_e, f_e detached) or by DeepSeek-V3's aux-loss-free bias update: a non-trained routing bias, added to
     the router's logits only to choose the top-k (the gating weights stay the unbiased probabilities), moved by
     `bias_rate` per optimizer step toward equal load.
 
-    Dispatch without host syncs (issue 23): the (token, slot) pairs are sorted by expert id (stable), gathered in that
-    order, and both expert matmuls run as one torch._grouped_mm each, with the per-expert offsets computed on the
-    device (scatter_add + cumsum); the weighted results are index_add_-ed back. The op count is independent of E and
+    Dispatch without host syncs (issue 23; grouped_dispatch, shared with V4DraftMoE): the (token, slot) pairs are
+    sorted by expert id (stable), gathered in that order, and both expert matmuls run as one torch._grouped_mm each,
+    with the per-expert offsets computed on the device (scatter_add + cumsum); the weighted results are index_add_-ed
+    back. The op count is independent of E and
     no size is read back to the host (a loop over experts needs nonzero / numel per expert, bincount a sync on CUDA).
     _grouped_mm over a padded [E, P, d] bmm: exact forward and backward here (CPU fp32 and bf16, its built-in
     backward) without E× the FLOPs and memory. Its CUDA kernel (SM90+, bf16: the trainer's DeepSpeed bf16 run) is
@@ -96,16 +121,11 @@ class MoE(nn.Module):
     def _routed(self, flat: torch.Tensor, top: torch.Tensor,
                 weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Σ over each token's chosen experts of weight · expert(token), and the (float) pairs routed per expert."""
-        expert = top.flatten()  # pair p: token p // top_k, slot p % top_k
-        order = expert.argsort(stable=True)  # stable: each expert's rows in token order, as the loop took them
-        rows = order.div(self.top_k, rounding_mode="floor")
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
-        counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))  # bincount would sync on CUDA
-        offs = counts.cumsum(0, dtype=torch.int32)  # each expert's end row in the sorted pairs
-        gate, up = torch._grouped_mm(flat.index_select(0, rows), self.w_gate_up, offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
-        y = y * weights.flatten().index_select(0, order)[:, None]
-        return torch.zeros_like(flat).index_add_(0, rows, y), counts.float()
+        return grouped_dispatch(flat, top, weights, self.num_experts, self._experts)
+
+    def _experts(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        gate, up = torch._grouped_mm(xs, self.w_gate_up, offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
 
     def take_load(self) -> torch.Tensor:
         """Counts routed per expert since the last call (the step's), and start counting afresh."""

@@ -16,11 +16,14 @@ of a packed sequence sharing context rows, as models/attention.py packs them) co
 Names. state_dict() gives V4's release names (DeepSeek's inference code, and what the engines read after `mtp.{i}.`):
 attn.{wq_a, q_norm, wq_b, wkv, kv_norm, attn_sink, wo_a, wo_b}, attn_norm, ffn_norm, ffn.gate.{weight, bias},
 ffn.experts.{e}.w{1,2,3}, ffn.shared_experts.w{1,2,3}, hc_{attn,ffn}_{fn,base,scale}. mHC is blocks/mhc.py's
-HyperConnection (fn / base / scale); HC_NAMES maps its names to the release's on save and back on load.
+HyperConnection (fn / base / scale); HC_NAMES maps its names to the release's on save and back on load. The routed
+experts are stored stacked for the grouped GEMM (V4RoutedExperts: ffn.experts.w{1,2,3} [E, ...]); its hooks split
+them into the per-expert names on save and stack them on load.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,6 +33,7 @@ from torch import nn
 
 from dstrain.blocks.mhc import HyperConnection, unweighted_rms
 from dstrain.blocks.v4 import RMSNorm, Rope, clamped_swiglu, grouped_linear, rotate, route, softmax_with_sinks, unrotate
+from dstrain.models.layers import grouped_dispatch
 
 HC_NAMES = {f"{site}_hc.{p}": f"hc_{site}_{p}" for site in ("attn", "ffn") for p in ("fn", "base", "scale")}
 
@@ -137,6 +141,61 @@ class V4Gate(nn.Module):
         self.register_buffer("bias", torch.zeros(experts, dtype=torch.float32))
 
 
+class V4RoutedExperts(nn.Module):
+    """The E routed experts (each V4Expert's w2(clamped SwiGLU(w1 x, w3 x))), their weights stacked for the grouped
+    GEMM: w1, w3 [E, inter, d] and w2 [E, d, inter], expert e's nn.Linear weight at [e]. state_dict() keeps the
+    release names `{e}.w{1,2,3}.weight` (hooks split on save, stack on load): the engines' and state-dict
+    checkpoints' names do not change (an optimizer state saved with 3·E expert parameters does not fit these 3).
+
+    Why stored stacked, not torch.stack of per-expert Linears at each forward: a forward-time stack copies every
+    routed weight each step and keeps the copy for the backward (torch._grouped_mm saves it for the input's
+    gradient); at a V4-Flash-shaped draft layer (256 experts x 3 x 4096 x 2048) that is 12.9 GB bf16 per layer on top
+    of weights, grads and optimizer state; and under ZeRO-3 Linears whose forward never runs are not gathered
+    (each would have to be registered as an external parameter). The cost is paid at state_dict() instead: each
+    expert's slice is cloned (safetensors refuses tensors sharing storage). Initialised as the Linears were: the same
+    uniform draws in the same order, so a seed builds the same weights as before."""
+
+    def __init__(self, experts: int, d: int, inter: int, limit: float):
+        super().__init__()
+        self.num_experts, self.limit = experts, limit
+        self.w1, self.w3 = (nn.Parameter(torch.empty(experts, inter, d)) for _ in range(2))
+        self.w2 = nn.Parameter(torch.empty(experts, d, inter))
+        for e in range(experts):  # nn.Linear's reset_parameters, expert by expert, w1 w2 w3 as V4Expert made them
+            for w in (self.w1, self.w2, self.w3):
+                nn.init.kaiming_uniform_(w[e], a=math.sqrt(5))
+        self.register_state_dict_post_hook(split_experts_on_save)
+        self.register_load_state_dict_pre_hook(stack_experts_on_load)
+
+    def forward(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Rows xs [P, d] sorted by expert, offs [E] each expert's end row -> [P, d] (grouped_dispatch's experts)."""
+        gate = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
+        up = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.w2.transpose(1, 2), offs=offs)
+
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def split_experts_on_save(module: V4RoutedExperts, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: `w1` [E, ...] -> `{e}.w1.weight` for every expert (each a clone: see V4RoutedExperts)."""
+    stacked = {w: state_dict.pop(prefix + w) for w in EXPERT_WEIGHTS if prefix + w in state_dict}
+    for e in range(module.num_experts):
+        for w, t in stacked.items():
+            state_dict[f"{prefix}{e}.{w}.weight"] = t[e].clone()
+
+
+def stack_experts_on_load(module: V4RoutedExperts, state_dict, prefix, local_metadata, strict, missing_keys,
+                          unexpected_keys, error_msgs) -> None:
+    """load_state_dict pre-hook: `{e}.w1.weight` of every expert -> `w1` [E, ...]. A weight only some experts have
+    is not loaded: the others' names are reported missing (and the present ones unexpected)."""
+    for w in EXPERT_WEIGHTS:
+        keys = [f"{prefix}{e}.{w}.weight" for e in range(module.num_experts)]
+        if all(k in state_dict for k in keys):
+            state_dict[prefix + w] = torch.stack([state_dict.pop(k) for k in keys])
+        elif any(k in state_dict for k in keys):
+            missing_keys.extend(k for k in keys if k not in state_dict)
+
+
 class V4DraftMoE(nn.Module):
     """V4's MoE. For the trainer (as models/layers.MoE): `last_load` (share of routed slots per expert, the
     DraftOutput's expert_load), `take_load` (a step's counts) and `update_route_bias` (aux-loss-free balance on
@@ -145,9 +204,13 @@ class V4DraftMoE(nn.Module):
     def __init__(self, dims: V4DraftDims, bias_rate: float = 1e-3):
         super().__init__()
         self.topk, self.routed_scale, self.scoring, self.bias_rate = dims.topk, dims.routed_scale, dims.scoring, bias_rate
+        if dims.hidden % 8 or dims.moe_inter % 8:  # torch._grouped_mm's 16-byte row alignment (as layers.MoE)
+            from dstrain.errors import UserError
+
+            raise UserError(f"a DeepSeek-V4 draft layer needs the target's hidden_size ({dims.hidden}) and "
+                            f"moe_intermediate_size ({dims.moe_inter}) to be multiples of 8 (its MoE runs grouped GEMMs)")
         self.gate = V4Gate(dims.hidden, dims.experts)
-        self.experts = nn.ModuleList(V4Expert(dims.hidden, dims.moe_inter, dims.swiglu_limit)
-                                     for _ in range(dims.experts))
+        self.experts = V4RoutedExperts(dims.experts, dims.hidden, dims.moe_inter, dims.swiglu_limit)
         self.shared_experts = V4Expert(dims.hidden, dims.moe_inter, dims.swiglu_limit)
         self.last_load = torch.zeros(dims.experts)
         self.step_counts = torch.zeros(dims.experts)  # every training forward's since take_load(): a step's load
@@ -162,19 +225,15 @@ class V4DraftMoE(nn.Module):
         self.gate.bias += self.bias_rate * torch.sign(load.mean() - load.to(self.gate.bias.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] -> [..., d]: the routed experts' weighted sum (layers.grouped_dispatch: sorted pairs, grouped
+        GEMMs, no host sync) plus the shared expert."""
         flat = x.reshape(-1, x.shape[-1])
         logits = F.linear(flat.float(), self.gate.weight.float())  # fp32 gating, as DeepSeek's Gate
         weights, picks = route(logits, self.gate.bias, self.topk, self.routed_scale, self.scoring)
-        slots = picks.flatten()
-        counts = torch.zeros(len(self.experts), device=slots.device).scatter_add_(0, slots, torch.ones(slots.shape,
-                                                                                                       device=slots.device))
-        self.last_load = counts / max(picks.numel(), 1)
+        out, counts = grouped_dispatch(flat, picks, weights.to(flat.dtype), self.experts.num_experts, self.experts)
+        self.last_load = counts / max(picks.numel(), 1)  # counts: fp32 whatever the model's dtype
         if self.training:
             self.step_counts = self.step_counts.to(counts.device) + counts
-        out = torch.zeros_like(flat)
-        for e in picks.unique().tolist():  # dense per-expert loop: the drafter's few tokens per step
-            rows, slot = torch.where(picks == e)
-            out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, slot, None].to(flat.dtype))
         return (out + self.shared_experts(flat)).view_as(x)
 
 
