@@ -60,6 +60,24 @@ def losses(run_dir) -> list[float]:
     return [json.loads(line)["train/loss"] for line in open(run_dir / "metrics.jsonl")]
 
 
+def check_v4_native(run, metrics) -> None:
+    """The run trained V4BlockDrafter, not the generic drafter: its checkpoint holds the engines' mtp.{i} layout at the
+    tiny target's shape (3 layers, 4 experts per layer, main_proj over 3 captured layers), the aux-loss-free balance
+    moved every layer's routing bias, and the trainer logged each layer's expert load."""
+    import torch
+
+    state = torch.load(run / "checkpoints" / "step-6" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    names = {k.removeprefix("drafter.") for k in state}
+    assert {"mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.2.norm.weight", "mtp.2.hc_head_fn",
+            "mtp.2.markov_head.markov_w1.weight", "mtp.2.confidence_head.proj.weight"} <= names, sorted(names)[:20]
+    assert not any(k.startswith(("layers.", "fuse.")) or "embed" in k for k in names)  # no generic drafter, no embedding
+    assert state["drafter.mtp.0.main_proj.weight"].shape == (V4["hidden_size"], 3 * V4["hidden_size"])
+    assert state["drafter.mtp.1.attn.wq_b.weight"].shape == (V4["num_attention_heads"] * V4["head_dim"], V4["q_lora_rank"])
+    for i in range(3):
+        assert state[f"drafter.mtp.{i}.ffn.gate.bias"].abs().max() > 0, i  # moved from its zero init
+    assert all(f"train/expert_load/layer{i}/e{e}" in metrics[-1] for i in range(3) for e in range(V4["n_routed_experts"]))
+
+
 def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_path):
     from dstrain.data.shards import synthetic_shards
     from dstrain.targets.tiny_checkpoint import write_checkpoint, write_tokenizer
@@ -84,6 +102,7 @@ def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_
         assert (run / "checkpoints" / "latest").read_text().strip() == "step-6"
         metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
         assert all(m["train/channel_bytes_per_step"] > 0 for m in metrics)
+        check_v4_native(run, metrics)
 
     # the PP=2 run "crashes" after its step-3 checkpoint; the flagship command resumes it
     ckpts = run_b / "checkpoints"
