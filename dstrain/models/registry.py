@@ -41,7 +41,7 @@ def build_drafter(cfg, spec: TargetSpec, embedding: nn.Embedding, target_config=
         raise UserError(f"drafter.type={cfg.type}: not in this build yet (available: {', '.join(DRAFTERS)})")
     if resolve_backbone(cfg, target_config) == "v4":
         from dstrain.models.v4_drafter import V4BlockDrafter
-        from dstrain.recipe import v4_backbone_conflicts
+        from dstrain.recipe_backbone import v4_backbone_conflicts
 
         problems = v4_backbone_conflicts(cfg)
         if problems:
