@@ -200,8 +200,6 @@ class DrafterConfig(Section):
             raise ValueError(f"drafter.type={self.type} is one autoregressive layer: set drafter.num_layers=1")
         if self.type in ("eagle3", "mtp") and self.mhc.enabled:
             raise ValueError(f"drafter.type={self.type} is one layer with a plain residual: set drafter.mhc.enabled=false")
-        if self.backbone == "v4" and (problems := v4_backbone_conflicts(self)):
-            raise ValueError(problems[0])
         return self
 
 
@@ -312,6 +310,13 @@ class Recipe(Section):
         if self.eval.every and self.deepspeed.zero_stage == 3:
             raise ValueError("eval.every reads the drafter's whole weights; ZeRO-3 partitions them: set eval.every=0 or"
                              " deepspeed.zero_stage<=2")
+        if self.drafter.backbone == "v4":  # `auto` is checked where the target is known (models/registry.py)
+            model_type = (self.target.hf_config or {}).get("model_type")
+            if model_type not in (None, "deepseek_v4"):
+                raise ValueError(f"drafter.backbone=v4 builds DeepSeek-V4's draft layers, but the target is {model_type}: "
+                                 "set drafter.backbone=auto (or generic)")
+            if problems := v4_backbone_conflicts(self.drafter):
+                raise ValueError(problems[0])
         if self.target.backend == "megatron" and self.world.mode == "colocated":
             raise ValueError("target.backend=megatron shards the target over its own ranks: set world.mode=disaggregated")
         return self

@@ -67,6 +67,12 @@ def test_explicit_v4_backbone_is_checked_when_the_recipe_loads(override, key):
         load_recipe(ROOT / "recipes/v4_flash.yaml", ["data.shards=x", override, *extra])
 
 
+def test_explicit_v4_backbone_on_a_known_other_target_is_refused_first():
+    """The target's model_type, when the recipe names it, is the first thing wrong (not the keys it would also refuse)."""
+    with pytest.raises(UserError, match=r"^recipe .*: drafter\.backbone=v4 .*the target is mixtral: set drafter\.backbone=auto"):
+        load_recipe(ROOT / "recipes/tiny_moe.yaml", ["data.shards=x", "drafter.backbone=v4"])
+
+
 def test_a_dumped_v4_config_reads_back_and_builds():
     """An artifact stores drafter_cfg as a full dump: defaults read back as set must not count as conflicts."""
     cfg = DrafterConfig(**V4_KEYS, backbone="v4")
