@@ -144,3 +144,31 @@ def test_zero3_registers_the_markov_w2_parameter():
     drafter = build(DrafterConfig(**V4_KEYS), V4)
     step = DraftStep(drafter, zero3=True)
     assert id(drafter.markov_head.markov_w2.weight) in step._external_params
+
+
+def test_v4_flash_recipe_trains_the_v4_drafter_colocated_on_the_hf_backend(tmp_path):
+    """One process, the transformers target (its captured layers read as the mean of their streams): the shipped
+    recipe trains V4BlockDrafter at the tiny target's shape, the loss falls, the checkpoint is the engines' layout."""
+    from conftest import run_tool
+    from dstrain.data.shards import synthetic_shards
+    from dstrain.targets.tiny_checkpoint import write_checkpoint, write_tokenizer
+    from test_v4_flagship import V4 as TINY_V4
+
+    ckpt = write_checkpoint(tmp_path / "v4-tiny", TINY_V4, seed=0, shards=1)
+    shards = tmp_path / "shards"
+    synthetic_shards(str(shards), "DeepSeek-V4-Flash", 128, 16, lengths=(60, 96), seed=0)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["tokenizer"]["fingerprint"] = write_tokenizer(ckpt, 128)
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    run_tool("dstrain/main.py", "recipes/v4_flash.yaml", f"target.path={ckpt}", "target.backend=hf", "target.dtype=float32",
+             "world.mode=colocated", "world.drafter_ranks=1", "world.ranks_per_node=null", "world.target.dp=1",
+             "world.target.tp=1", "world.target.ep=1", "deepspeed.precision=fp32", "drafter.head_rank=16",
+             "drafter.mask_token_id=127", "drafter.sliding_window=16", f"data.shards={shards}", "data.max_length=96",
+             "anchors.per_sequence=8", "train.steps=4", "train.micro_batch_size=2", "train.warmup_steps=1",
+             "train.log_every=1", "train.checkpoint_every=4", "run.wandb_mode=disabled", f"run.output_dir={tmp_path}")
+    run = tmp_path / "v4-flash-dspark"
+    losses = [json.loads(line)["train/loss"] for line in open(run / "metrics.jsonl")]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    state = torch.load(run / "checkpoints" / "step-4" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert "drafter.mtp.0.main_proj.weight" in state and "drafter.mtp.2.hc_head_fn" in state
+    assert not any(k.startswith("drafter.layers.") for k in state)
