@@ -93,26 +93,39 @@ def target_flops_per_token(cfg, sizes, seq: int) -> float:
 
 
 def _drafter_groups(drafter, num_experts: int, top_k: int) -> tuple[float, float, float]:
-    """(per block-token weights, per context-row weights, Markov W2 numel) of a drafter built on meta."""
+    """(per block-token weights, per context-row weights, Markov W2 numel) of a drafter built on meta. Names of both
+    block backbones: the generic (fuse, k/v_proj, seq_head, ffn.w_*) and V4's (main_proj, attn.wkv, markov_w*,
+    ffn.experts.*)."""
     token = ctx = w2 = 0.0
     for name, p in drafter.named_parameters():
         if not p.requires_grad:
             continue
         n = float(p.numel())
-        if name.startswith("fuse."):
+        if name.startswith("fuse.") or ".main_proj." in name:  # the context fusion: once per context row
             ctx += n
-        elif name.endswith((".k_proj.weight", ".v_proj.weight")):  # each layer projects context rows and block tokens
+        elif name.endswith((".k_proj.weight", ".v_proj.weight", ".attn.wkv.weight")):  # context rows and block tokens
             ctx += n
             token += n
-        elif name.endswith("seq_head.w2") or name.endswith("seq_w2"):
+        elif name.endswith(("seq_head.w2", "seq_w2", "markov_w2.weight")):
             w2 += n
-        elif "seq_head.w1" in name:  # an embedding lookup: no FLOPs
+        elif "seq_head.w1" in name or "markov_w1" in name:  # an embedding lookup: no FLOPs
             continue
-        elif ".ffn.w_" in name and num_experts:
+        elif (".ffn.w_" in name or ".ffn.experts." in name) and num_experts:  # routed experts: top-k of them per token
             token += n * top_k / num_experts
         elif p.dim() >= 2:
             token += n
     return token, ctx, w2
+
+
+def _drafter_shape(drafter, dr) -> tuple[int, int, int | None, int | None]:
+    """(routed experts (0: dense), top-k, attention heads, head size) of the built drafter: the V4 backbone's come from
+    the target (its `dims`), the generic one's from the recipe and its layers."""
+    dims = getattr(drafter, "dims", None)
+    if dims is not None:
+        return dims.experts, dims.topk, dims.heads, dims.head_dim
+    experts = dr.ffn.num_experts if dr.ffn.type == "moe" else 0
+    layer = drafter.layers[0] if hasattr(drafter, "layers") else None
+    return experts, dr.ffn.top_k, getattr(layer, "heads", None), getattr(layer, "head_dim", None)
 
 
 def step_flops(recipe, cfg, sizes, drafter, sp: bool | None = None) -> StepFlops:
@@ -121,10 +134,10 @@ def step_flops(recipe, cfg, sizes, drafter, sp: bool | None = None) -> StepFlops
     gamma, window, anchors = dr.block_size, dr.sliding_window, min(recipe.anchors.per_sequence, seq)
     positions = anchors * gamma
     ctx_rows = min(seq, anchors * (window or seq))  # deduplicated rows the drafter projects per sequence
-    experts = dr.ffn.num_experts if dr.ffn.type == "moe" else 0
-    token_w, ctx_w, w2 = _drafter_groups(drafter, experts, dr.ffn.top_k)
-    heads = getattr(drafter.layers[0], "heads", 1) if hasattr(drafter, "layers") else 1
-    head_dim = getattr(drafter.layers[0], "head_dim", d // max(heads, 1)) if hasattr(drafter, "layers") else d
+    experts, top_k, heads, head_dim = _drafter_shape(drafter, dr)
+    token_w, ctx_w, w2 = _drafter_groups(drafter, experts, top_k)
+    heads = heads or 1
+    head_dim = head_dim or d // heads
     keys = (min(window, seq) if window else mean_context(seq, None)) + gamma
     parts = {
         "vocab GEMMs (3 x d x V)": 3 * 2 * d * vocab,

@@ -31,6 +31,7 @@ class Plan:
     memory: dict[str, dict[str, float]]
     flops: StepFlops
     load: dict[str, int] | None = None  # bytes a megatron target rank reads of a local checkpoint (sharded_load.plan_bytes)
+    v4_dims: object = None  # drafter.backbone resolved to v4: its draft layers' shape (the target's V4DraftDims)
 
 
 def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
@@ -121,7 +122,8 @@ def build_plan(recipe: Recipe) -> Plan:
     dparams = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     ffn = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", 0) or 0
     return Plan(recipe, source, sizes, list(capture), dparams,
-                memory_estimate(recipe, sizes, dparams, len(capture), held, ffn), step_flops(recipe, cfg, sizes, drafter), load)
+                memory_estimate(recipe, sizes, dparams, len(capture), held, ffn), step_flops(recipe, cfg, sizes, drafter), load,
+                getattr(drafter, "dims", None))
 
 
 def load_estimate(recipe: Recipe, stage_plans: list) -> dict[str, int] | None:
@@ -194,12 +196,15 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     add(f"           {_n(s.params)} params ({_n(s.active_params)} active), {s.num_layers} layers, d={s.hidden_size}, vocab={s.vocab_size}{moe}")
     add(f"           capture layers {plan.capture_layers} + final pre-LM-head states")
     ffn = "dense" if dr.ffn.type == "dense" else f"moe(E={dr.ffn.num_experts}, top-{dr.ffn.top_k}{', shared' if dr.ffn.shared_expert else ''}, {dr.ffn.balance})"
-    extras = [f"mHC n={dr.mhc.streams}" if dr.mhc.enabled else "", f"head={dr.head}(r={dr.head_rank})" if dr.head != "none" else "",
+    v4 = plan.v4_dims
+    if v4 is not None:  # DeepSeek-V4's own draft layers: the target's shape, not the generic keys'
+        ffn = f"moe(E={v4.experts}, top-{v4.topk}, shared, {dr.ffn.balance}), V4 layers (d={v4.hidden}, {v4.heads} heads x {v4.head_dim})"
+    extras = [f"mHC n={v4.hc_mult if v4 else dr.mhc.streams}" if v4 or dr.mhc.enabled else "", f"head={dr.head}(r={dr.head_rank})" if dr.head != "none" else "",
               "confidence head" if dr.confidence else ""]
     add(f"  drafter  {dr.type}: {dr.num_layers} layers, gamma={dr.block_size}, window={dr.sliding_window or 'full'}, ffn={ffn}"
         + "".join(f", {e}" for e in extras if e))
     add(f"           {_n(plan.drafter_params)} trainable params; embedding + LM head: the target's, frozen, not saved")
-    add(f"  serving  {export_line(dr)}")
+    add(f"  serving  {export_line(dr) if v4 is None else 'DeepSeek-V4 DSpark layout (mtp.{i}.*: vLLM DSparkDeepseekV4ForCausalLM, SGLang DeepseekV4ForCausalLMDSpark)'}")
     add(f"  loss     alpha_ce={r.loss.alpha_ce} alpha_tv={r.loss.alpha_tv} alpha_conf={r.loss.alpha_conf} gamma_decay={r.loss.gamma_decay}")
     add(f"  data     shards={r.data.shards} max_length={r.data.max_length} anchors/seq={r.anchors.per_sequence} shuffle={r.data.shuffle}")
     add(f"  train    {r.train.steps} steps x micro-batch {r.train.micro_batch_size} x accum {r.train.grad_accum}; lr {r.train.lr:g}"

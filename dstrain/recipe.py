@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from dstrain.errors import UserError
 
 
+from dstrain.recipe_backbone import v4_backbone_conflicts
 from dstrain.recipe_world import Section, TargetParallel, WorldConfig  # noqa: F401 (the world section lives there)
 
 
@@ -151,6 +152,11 @@ class DrafterConfig(Section):
                                                                " sequential head + confidence head; dflash: the backbone"
                                                                " alone; eagle3: one autoregressive layer trained with"
                                                                " training-time test; mtp: DeepSeek-V3-style MTP-1")
+    backbone: Literal["auto", "generic", "v4"] = Field("auto", description="dspark's draft layers. v4: DeepSeek-V4's own "
+                                                        "(the layout vLLM and SGLang serve), shaped by the target, so num_heads, "
+                                                        "head_dim, qk_norm, mhc and the ffn sizes do not apply (ffn.balance="
+                                                        "bias_update); generic: dstrain's block drafter shaped by those keys; "
+                                                        "auto: v4 for dspark on a DeepSeek-V4 target, else generic")
     num_layers: int = Field(5, ge=1, description="draft transformer layers (eagle3 and mtp: 1)")
     block_size: int = Field(7, ge=1, description="gamma: anchor + gamma-1 mask tokens")
     sliding_window: int | None = Field(None, ge=1, description="context tokens visible before the anchor")
@@ -304,6 +310,13 @@ class Recipe(Section):
         if self.eval.every and self.deepspeed.zero_stage == 3:
             raise ValueError("eval.every reads the drafter's whole weights; ZeRO-3 partitions them: set eval.every=0 or"
                              " deepspeed.zero_stage<=2")
+        if self.drafter.backbone == "v4":  # `auto` is checked where the target is known (models/registry.py)
+            model_type = (self.target.hf_config or {}).get("model_type")
+            if model_type not in (None, "deepseek_v4"):
+                raise ValueError(f"drafter.backbone=v4 builds DeepSeek-V4's draft layers, but the target is {model_type}: "
+                                 "set drafter.backbone=auto (or generic)")
+            if problems := v4_backbone_conflicts(self.drafter):
+                raise ValueError(problems[0])
         if self.target.backend == "megatron" and self.world.mode == "colocated":
             raise ValueError("target.backend=megatron shards the target over its own ranks: set world.mode=disaggregated")
         return self

@@ -111,4 +111,5 @@ def test_the_plan_says_which_engines_will_load_the_drafter():
     dense = format_plan(build_plan(load_recipe(ROOT / "recipes/qwen3_moe.yaml")), "qwen3_moe")
     assert "  serving  vllm (--format speculators): loads | sglang (--format deepspec): loads" in dense
     v4 = format_plan(build_plan(load_recipe(ROOT / "recipes/v4_flash.yaml")), "v4_flash")
-    assert "vllm (--format speculators): refused, needs drafter.ffn.type=dense; drafter.mhc.enabled=false" in v4
+    # the V4-native drafter (drafter.backbone=v4) is the engines' own V4 DSpark layout
+    assert "  serving  DeepSeek-V4 DSpark layout (mtp.{i}.*: vLLM DSparkDeepseekV4ForCausalLM" in v4

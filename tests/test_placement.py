@@ -131,7 +131,8 @@ def test_launch_with_another_node_size_is_refused(monkeypatch):
     check_node_size(layout_of(load_recipe(ROOT / "recipes/tiny_moe.yaml").world))  # null: no node constraint
 
 
-FLAGSHIPS = {"v4_flash": (9, 140), "v4_pro": (17, 140), "deepseek_v3": (5, 79.6), "qwen3_moe": (3, 79.6)}
+# nodes, GPU memory, drafter nodes (V4-Pro's V4-native drafter, ~77B parameters, is ZeRO-3 over two nodes)
+FLAGSHIPS = {"v4_flash": (9, 140, 1), "v4_pro": (18, 140, 2), "deepseek_v3": (5, 79.6, 1), "qwen3_moe": (3, 79.6, 1)}
 
 
 @pytest.mark.parametrize("name", FLAGSHIPS)
@@ -140,12 +141,13 @@ def test_shipped_flagships_fill_whole_8_gpu_nodes_and_fit_their_gpus(name):
 
     plan = build_plan(load_recipe(name))
     text = format_plan(plan, name)
-    nodes, gpu = FLAGSHIPS[name]
+    nodes, gpu, drafter_nodes = FLAGSHIPS[name]
     w = plan.recipe.world
     assert (w.ranks_per_node, w.gpu_memory_gib, w.world_size) == (8, gpu, 8 * nodes)
-    assert f"{nodes} nodes of 8 GPUs: drafters on 1 node(s) of their own" in text and "inside one node; EP" in text
+    assert f"{nodes} nodes of 8 GPUs: drafters on {drafter_nodes} node(s) of their own" in text and "inside one node; EP" in text
     listed = [line.strip() for line in text.splitlines() if re.match(r"nodes? \d", line.strip())]  # past 12: runs merge
-    assert len(listed) == nodes if nodes <= 12 else listed[0].startswith("node 0: GPUs 0-7 drafters 0-7"), listed
+    first = "node 0: GPUs 0-7 drafters 0-7" if drafter_nodes == 1 else f"nodes 0-{drafter_nodes - 1}: GPUs 0-7 each, together drafters 0-"
+    assert len(listed) == nodes if nodes <= 12 else listed[0].startswith(first), listed
     assert "expert work per token: 1.00x (sequence parallel)" in text
     assert memory_verdict(plan) is None and "OVER" not in text
     assert all(sum(parts.values()) < gpu for parts in plan.memory.values())

@@ -32,7 +32,9 @@ def test_v4_sizes_match_published():
     assert 270e9 < flash.sizes.params < 300e9 and 12e9 < flash.sizes.active_params < 15e9  # 284B / 13B
     assert 1.5e12 < pro.sizes.params < 1.7e12 and 45e9 < pro.sizes.active_params < 52e9  # 1.6T / 49B
     dr = flash.recipe.drafter
-    assert (dr.num_layers, dr.block_size, dr.sliding_window, dr.head, dr.confidence, dr.mhc.enabled, dr.ffn.type) == (3, 5, 128, "markov", True, True, "moe")
+    assert (dr.backbone, dr.num_layers, dr.block_size, dr.sliding_window, dr.head, dr.confidence) == ("v4", 3, 5, 128, "markov", True)
+    # paper §5.1's MoE layers with mHC: the V4 backbone's, the target's shape
+    assert (flash.v4_dims.experts, flash.v4_dims.hc_mult, flash.v4_dims.window) == (256, 4, 128)
 
 
 def test_cli_dry_run_and_unknown_key():

@@ -6,6 +6,8 @@ Two launches of 4 ranks (2 drafters + 2 target ranks): (1) tests/dist/run_recipe
 (checkpoints at 3 and 6) with a TP=2 × EP=2 target, then with a PP=2 target; (2) after the PP=2 run's step-6
 checkpoint is removed (a crash after step 3), the flagship command itself resumes it. Checks: both target layouts
 give the same losses, features crossed the channel, checkpoints exist, the resumed steps 4-6 equal the originals.
+The drafter is the recipe's own (drafter.backbone=v4: V4BlockDrafter, its layers the tiny target's shape), and its
+checkpoint is the engines' mtp.{i} layout with every draft layer's routing bias moved by the aux-loss-free balance.
 """
 
 import json
@@ -33,8 +35,9 @@ V4 = dict(model_type="deepseek_v4", vocab_size=128, hidden_size=32, num_hidden_l
 def overrides(ckpt, shards, out, layout: list[str], steps: int) -> list[str]:
     return [f"target.path={ckpt}", "target.dtype=float32", "deepspeed.precision=fp32", "world.drafter_ranks=2",
             "world.ranks_per_node=null",  # the recipe's 8-GPU nodes: here one 4-process launch
-            "world.target.dp=1", *layout, "drafter.num_heads=4", "drafter.head_dim=8", "drafter.ffn.num_experts=4",
-            "drafter.ffn.intermediate_size=32", "drafter.head_rank=16", "drafter.mask_token_id=127", "drafter.sliding_window=16",
+            "world.target.dp=1", *layout,
+            # the recipe's V4-native drafter, its layers the tiny target's shape: only what is not the target's changes
+            "drafter.head_rank=16", "drafter.mask_token_id=127", "drafter.sliding_window=16",
             f"data.shards={shards}", "data.max_length=96", "data.shuffle=false", "anchors.per_sequence=8",
             f"train.steps={steps}", "train.micro_batch_size=1", "train.grad_accum=1", "train.warmup_steps=1",
             "train.log_every=1", "train.checkpoint_every=3", "run.wandb_mode=disabled", f"run.output_dir={out}"]
@@ -55,6 +58,24 @@ def torchrun(*args, timeout=600) -> subprocess.CompletedProcess:
 
 def losses(run_dir) -> list[float]:
     return [json.loads(line)["train/loss"] for line in open(run_dir / "metrics.jsonl")]
+
+
+def check_v4_native(run, metrics) -> None:
+    """The run trained V4BlockDrafter, not the generic drafter: its checkpoint holds the engines' mtp.{i} layout at the
+    tiny target's shape (3 layers, 4 experts per layer, main_proj over 3 captured layers), the aux-loss-free balance
+    moved every layer's routing bias, and the trainer logged each layer's expert load."""
+    import torch
+
+    state = torch.load(run / "checkpoints" / "step-6" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    names = {k.removeprefix("drafter.") for k in state}
+    assert {"mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.2.norm.weight", "mtp.2.hc_head_fn",
+            "mtp.2.markov_head.markov_w1.weight", "mtp.2.confidence_head.proj.weight"} <= names, sorted(names)[:20]
+    assert not any(k.startswith(("layers.", "fuse.")) or "embed" in k for k in names)  # no generic drafter, no embedding
+    assert state["drafter.mtp.0.main_proj.weight"].shape == (V4["hidden_size"], 3 * V4["hidden_size"])
+    assert state["drafter.mtp.1.attn.wq_b.weight"].shape == (V4["num_attention_heads"] * V4["head_dim"], V4["q_lora_rank"])
+    for i in range(3):
+        assert state[f"drafter.mtp.{i}.ffn.gate.bias"].abs().max() > 0, i  # moved from its zero init
+    assert all(f"train/expert_load/layer{i}/e{e}" in metrics[-1] for i in range(3) for e in range(V4["n_routed_experts"]))
 
 
 def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_path):
@@ -81,6 +102,7 @@ def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_
         assert (run / "checkpoints" / "latest").read_text().strip() == "step-6"
         metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
         assert all(m["train/channel_bytes_per_step"] > 0 for m in metrics)
+        check_v4_native(run, metrics)
 
     # the PP=2 run "crashes" after its step-3 checkpoint; the flagship command resumes it
     ckpts = run_b / "checkpoints"

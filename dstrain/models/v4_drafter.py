@@ -3,8 +3,10 @@ DeepseekV4ForCausalLMDSpark serve (issue 24), behind the same contract as models
 
 Context. The target's captured layers (dspark_target_layer_ids) are fused once:
     main_x = main_norm(main_proj([f_1; ..; f_m]))
-For a V4 target the feature f_j of a layer is the MEAN over its hc_mult mHC streams (what the engines read): the
-caller hands ctx_features [rows, m, d] already read that way (wiring the V4 target's readout is not done here).
+For a V4 target the feature f_j of a layer is the MEAN over its hc_mult mHC streams (what the engines read): both
+target backends read captured layers that way (targets/hf.py `_readout`, targets/v4_model.py `readout`), and the
+caller hands ctx_features [rows, m, d]. registry.build_drafter builds this drafter for drafter.type=dspark on a V4
+target (drafter.backbone=auto or v4).
 Every draft layer writes its own context keys from main_x (V4DraftLayer.context_kv: kv_norm(wkv(main_x)), RoPE'd at
 the context positions).
 

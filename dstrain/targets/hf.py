@@ -6,8 +6,8 @@ base model's `last_hidden_state` (after the final norm: exactly what the LM head
 the LM head itself is never run on the target side.
 
 mHC targets (DeepSeek-V4) carry n residual streams between layers ([B, T, n, d]). A captured
-layer is read out through the model's own `hc_head` (the learned stream collapse it applies before
-its final norm); without one, the streams are averaged.
+layer's feature is the mean over its streams: what vLLM and SGLang hand a V4 DSpark drafter (not the
+hc_head collapse, which only the final states go through). The megatron V4 model reads out the same.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from dstrain.targets.base import TargetOutput, resolve_capture_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # families whose decoder builds its mask with masking_utils.create_causal_mask (a 4-D mask passes through it as is)
+# how a captured layer is read out; the feature cache keys on it, so features read another way are never served.
+# 2: mHC streams averaged (1: through the model's hc_head)
+READOUT_VERSION = 2
 PREPARED_MASK_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
@@ -37,7 +40,6 @@ class HFTarget:
         self.num_layers = cfg.num_hidden_layers
         self.capture_layers = resolve_capture_layers(name, self.num_layers, capture_layers, num_capture)
         self._base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self._hc_head = getattr(self._base, "hc_head", None)
 
     @property
     def embedding(self) -> nn.Embedding:
@@ -51,10 +53,9 @@ class HFTarget:
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
 
-    def _readout(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.dim() == 4:  # [B, T, n_streams, d]
-            return self._hc_head(hidden) if self._hc_head is not None else hidden.mean(dim=2)
-        return hidden
+    @staticmethod
+    def _readout(hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.mean(dim=2) if hidden.dim() == 4 else hidden  # [B, T, n_streams, d]: the streams' mean
 
     def prepare_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """A right-padded batch's [B, T] mask as the [B, 1, T, T] boolean mask transformers' SDPA path builds from it

@@ -84,7 +84,7 @@ class MegatronTarget:
         # what a stage sends its successor per token (V4: all n mHC streams), and whether every stage needs the ids
         self.stage_width = getattr(self.model, "stage_width", cfg.hidden_size)
         self.ids_everywhere = getattr(self.model, "needs_input_ids", False)
-        self.readout = getattr(self.model, "readout", None)  # V4: a captured layer's streams through the hc head
+        self.readout = getattr(self.model, "readout", None)  # V4: a captured layer's feature, the mean of its streams
         self.model.to(self.device)  # no-op for megatron's own parameters; moves any a family module made on the CPU
         if self.last and getattr(self.model, "output_layer", None) is not None:
             self.model.output_layer.weight = None  # the LM head runs on the drafter side: never read, never held

@@ -6,7 +6,7 @@ with its all-to-all dispatcher, SequentialMLP experts and SharedExpertMLP (clamp
 The model is ours, not GPTModel: V4's residual is n streams [T, B, n, d] from the embedding to the hc head,
 and hash routing needs the token ids inside every layer, on every pipeline stage. It keeps the surface
 MegatronTarget uses (decoder.layers for capture hooks, decoder.final_layernorm, set_input_tensor, pre/post
-process) and adds `readout` (a captured layer's streams through the hc head, as transformers' users read V4),
+process) and adds `readout` (a captured layer's feature: the mean of its streams, what vLLM and SGLang read),
 `stage_width` (the n·d a stage sends its successor: all streams cross the boundary) and `needs_input_ids`.
 """
 
@@ -99,7 +99,8 @@ class V4Block(MegatronModule):
         super().__init__(config)
         self.layers = nn.ModuleList(build_module(spec, config=config, layer_number=offset + i + 1,
                                                  pg_collection=pg_collection) for i, spec in enumerate(layer_specs))
-        self.hc_head = HyperHead(dims.hidden, dims.hc_mult, dims.hc_eps, dims.eps, empty=True)  # every stage: captured layers are read out through it
+        # held on every stage (the shard plan fills it there); only the last applies it, before the final norm
+        self.hc_head = HyperHead(dims.hidden, dims.hc_mult, dims.hc_eps, dims.eps, empty=True)
         self.final_layernorm = RMSNorm(dims.hidden, dims.eps) if post_process else None
 
 
@@ -129,8 +130,10 @@ class V4Model(MegatronModule):
     def set_input_tensor(self, tensor) -> None:
         self.input_tensor = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
 
-    def readout(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.decoder.hc_head(streams)
+    @staticmethod
+    def readout(streams: torch.Tensor) -> torch.Tensor:
+        """A captured layer's feature [T, B, d]: the mean of its streams [T, B, n, d] (targets/hf.py reads the same)."""
+        return streams.mean(dim=2)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
         """input_ids [B, T] on every stage (hash routing); returns the last stage's final-norm states [T, B, d],

@@ -5,7 +5,7 @@ capture layers, dtype, device kind, the sample's token ids). Training several dr
 table) or many epochs over small data pays the target forward once per sample instead of once per visit.
 
 Layout: `<root>/<namespace>/<key[:2]>/<key>.feat` (and `<root>/fingerprints/`, see target_fingerprint). The namespace hashes the target fingerprint, capture layers,
-dtype and device kind; the key hashes the token ids (not the sample's index: shards can be rebuilt or reordered).
+dtype, device kind and the layer readout's version; the key hashes the token ids (not the sample's index: shards can be rebuilt or reordered).
 An entry is `MAGIC | u32 header length | JSON header (shapes, dtype, key, payload length, crc32) | payload`.
 
 - Written atomically: a private temp file in the entry's folder, fsync, then rename. Readers never see a torn
@@ -90,9 +90,12 @@ def _memoised(folder: Path, memo_dir: Path | None, fingerprint) -> str:
 
 
 def namespace_of(fingerprint: str, capture_layers: list[int], dtype: torch.dtype, device_kind: str) -> str:
-    """One folder per way of computing features: a changed fingerprint, layer list, dtype or device misses."""
+    """One folder per way of computing features: a changed fingerprint, layer list, dtype, device or layer readout
+    (targets.hf.READOUT_VERSION: how an mHC layer's streams become its feature) misses."""
+    from dstrain.targets.hf import READOUT_VERSION
+
     desc = json.dumps({"v": FORMAT_VERSION, "target": fingerprint, "layers": list(capture_layers),
-                       "dtype": str(dtype), "device": device_kind})
+                       "dtype": str(dtype), "device": device_kind, "readout": READOUT_VERSION})
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 

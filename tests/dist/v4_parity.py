@@ -6,8 +6,8 @@
 Each case mixes sliding, CSA and HCA layers and hash / top-k routed MoE, on sequences where both compressors emit
 entries and every CSA query past the first windows has more admissible entries than the indexer keeps. Every rank
 writes the same random model with save_pretrained (published keys), builds MegatronTarget over a CheckpointReader
-(registry → V4 adapter → its rank's slices only), runs one forward and compares captured layers (read through the
-hc head) and final states with HFTarget's. Prints one JSON line after "PARITY ": max |Δ|, scale and values compared
+(registry → V4 adapter → its rank's slices only), runs one forward and compares captured layers (the mean of their
+mHC streams) and final states with HFTarget's. Prints one JSON line after "PARITY ": max |Δ|, scale and values compared
 per layout, case and rank (every rank must compare something: a MAX over ranks let an empty stage pass).
 
 Ties: the indexer's ReLU scores are exactly 0 wherever none of its heads fires, so equal scores at the top-k
