@@ -172,3 +172,31 @@ def test_v4_flash_recipe_trains_the_v4_drafter_colocated_on_the_hf_backend(tmp_p
     state = torch.load(run / "checkpoints" / "step-4" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert "drafter.mtp.0.main_proj.weight" in state and "drafter.mtp.2.hc_head_fn" in state
     assert not any(k.startswith("drafter.layers.") for k in state)
+
+
+def test_an_artifact_without_a_backbone_key_rebuilds_the_backbone_its_weights_have():
+    """Drafters saved before drafter.backbone existed: a generic DSpark drafter trained on a V4 target must not be
+    rebuilt as V4's own (auto), and a V4 one must not become generic; the weights' names decide."""
+    from pathlib import Path
+
+    from dstrain.decoding.artifacts import DrafterArtifact, drafter_config
+
+    keys = {k: v for k, v in V4_KEYS.items() if k != "ffn"}
+    generic = DrafterArtifact("old", Path("old"), dict(keys), {}, {"layers.0.attn.q_proj.weight": torch.zeros(1)})
+    v4 = DrafterArtifact("old", Path("old"), dict(keys), {}, {"mtp.0.main_proj.weight": torch.zeros(1)})
+    assert drafter_config(generic).backbone == "generic" and drafter_config(v4).backbone == "v4"
+    said = DrafterArtifact("new", Path("new"), {**keys, "backbone": "v4"}, {}, dict(generic.state))
+    assert drafter_config(said).backbone == "v4"  # a saved key is the artifact's own word
+
+
+def test_zero3_partitioned_routed_experts_save_as_placeholders():
+    """Under ZeRO-3 a module's state_dict holds each partitioned parameter as an empty placeholder: the routed
+    experts' split-on-save hook must pass it through under its stacked name, not index expert 0 of nothing."""
+    drafter = build(DrafterConfig(**V4_KEYS), V4)
+    experts = drafter.mtp[0].ffn.experts
+    full = experts.state_dict()
+    assert sorted(full) == sorted(f"{e}.{w}.weight" for e in range(experts.num_experts) for w in ("w1", "w2", "w3"))
+    with torch.no_grad():
+        experts.w1.data = torch.empty(0)  # what ZeRO-3 leaves in the module between gathers
+    saved = experts.state_dict()
+    assert saved["w1"].numel() == 0 and "0.w1.weight" not in saved and "0.w2.weight" in saved

@@ -178,7 +178,6 @@ def init_weights(drafter, cfg, frozen) -> tuple[DrafterArtifact, list[str]]:
     start at weight 1 (RMSNorm's neutral scale: q and k become unit-RMS per head, which changes the attention
     temperature, so fine-tune), and a learned mask vector gives way to the target's embedding of mask_token_id."""
     from dstrain.decoding import v4_format
-    from dstrain.recipe import DrafterConfig
 
     art = read_artifact(cfg.init_from, need_target=False)
     src = f"drafter.init_from={cfg.init_from}"
@@ -191,7 +190,7 @@ def init_weights(drafter, cfg, frozen) -> tuple[DrafterArtifact, list[str]]:
     wanted, have = art.target_cfg.get("capture_layers"), list(frozen.capture_layers)
     if wanted is not None and (list(wanted) != have and not (cfg.type == "mtp" and list(wanted)[-1:] == have[-1:])):
         raise UserError(f"{src}: trained on capture layers {list(wanted)}, this run captures {have}: set target.capture_layers={list(wanted)}")
-    theirs = DrafterConfig(**art.drafter_cfg)
+    theirs = drafter_config(art)
     bridged, state = [], dict(art.state)
     if not theirs.qk_norm and cfg.qk_norm:
         bridged.append("q/k norms added at weight 1")
@@ -258,6 +257,17 @@ def frozen_target_for(artifact: DrafterArtifact):
     return load_frozen_parts(TargetConfig(**artifact.target_cfg), artifact.target_seed)
 
 
+def drafter_config(artifact: DrafterArtifact):
+    """The artifact's DrafterConfig. A DSpark drafter saved before drafter.backbone existed has no such key: its
+    weights say which backbone trained it (V4's own layout is mtp.{i}.*), so `auto` does not rebuild it otherwise."""
+    from dstrain.recipe import DrafterConfig
+
+    raw = dict(artifact.drafter_cfg)
+    if "backbone" not in raw and raw.get("type") == "dspark":
+        raw["backbone"] = "v4" if any(k.startswith("mtp.") for k in artifact.state) else "generic"
+    return DrafterConfig(**raw)
+
+
 def _config(target):
     """A loaded target's model config (HFTarget) or a frozen-parts one's (FrozenParts)."""
     return target.config if hasattr(target, "config") else target.model.config
@@ -267,7 +277,6 @@ def build(artifact: DrafterArtifact, target):
     """The drafter module with its trained weights, after checking it belongs to this target."""
     from dstrain.models.contract import spec_from_config
     from dstrain.models.registry import build_drafter
-    from dstrain.recipe import DrafterConfig
 
     if artifact.fingerprint is not None and artifact.fingerprint != fingerprint(target):
         raise UserError(f"{artifact.source}: this drafter was trained against a target with fingerprint {artifact.fingerprint}, "
@@ -275,7 +284,7 @@ def build(artifact: DrafterArtifact, target):
     wanted = artifact.target_cfg.get("capture_layers") or None
     if wanted is not None and list(wanted) != list(target.capture_layers):
         raise UserError(f"{artifact.source}: trained on capture layers {wanted}, the target captures {target.capture_layers}")
-    cfg = DrafterConfig(**artifact.drafter_cfg)
+    cfg = drafter_config(artifact)
     drafter = build_drafter(cfg, spec_from_config(_config(target), len(target.capture_layers)), target.embedding,
                             _config(target))
     missing, unexpected = drafter.load_state_dict(artifact.state, strict=False)
@@ -291,7 +300,6 @@ def check_export(artifact: DrafterArtifact, fmt: str, engine: str | None = None)
     """Refuse before any weights load what `fmt` cannot express or `engine` cannot load (decoding/engines.py);
     returns the line naming the engine release to serve it with."""
     from dstrain.decoding import engines, v4_format
-    from dstrain.recipe import DrafterConfig
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: not a format (choose from {', '.join(FORMATS)})")
@@ -311,7 +319,7 @@ def check_export(artifact: DrafterArtifact, fmt: str, engine: str | None = None)
     if v4 and fmt != "dstrain":
         raise UserError(f"--format {fmt}: a V4 DSpark drafter (mtp.* layout) has no place in that layout: export it with "
                         f"--format {v4_format.FORMAT}")
-    return engines.check(DrafterConfig(**artifact.drafter_cfg), fmt, engine)
+    return engines.check(drafter_config(artifact), fmt, engine)
 
 
 def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain", engine: str | None = None) -> Path:
@@ -332,13 +340,12 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain", e
                "target_fingerprint": fingerprint(target), "target_seed": artifact.target_seed, "trained_steps": artifact.steps}
     if fmt != "dstrain":
         from dstrain.decoding import formats
-        from dstrain.recipe import DrafterConfig
 
         # name_or_path: the target's folder when it has one (engines load it by that name); none for built targets
         # (random, upcycled), whose binding is our fingerprint in the dstrain section
         verifier = {"name_or_path": artifact.target_cfg.get("path"),
                     "architectures": list(getattr(_config(target), "architectures", None) or [type(getattr(target, "model", target)).__name__])}
-        dcfg = DrafterConfig(**artifact.drafter_cfg)
+        dcfg = drafter_config(artifact)
         if fmt == "speculators":
             config, tensors = formats.to_speculators(drafter, dcfg, spec, list(target.capture_layers), verifier, target.num_layers)
         elif fmt == "deepspec":

@@ -179,6 +179,9 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 def split_experts_on_save(module: V4RoutedExperts, state_dict, prefix, local_metadata) -> None:
     """state_dict post-hook: `w1` [E, ...] -> `{e}.w1.weight` for every expert (each a clone: see V4RoutedExperts)."""
     stacked = {w: state_dict.pop(prefix + w) for w in EXPERT_WEIGHTS if prefix + w in state_dict}
+    for w, t in list(stacked.items()):
+        if t.dim() == 0 or t.shape[0] != module.num_experts:  # a ZeRO-3 partition placeholder: saved as it is
+            state_dict[prefix + w] = stacked.pop(w)
     for e in range(module.num_experts):
         for w, t in stacked.items():
             state_dict[f"{prefix}{e}.{w}.weight"] = t[e].clone()
