@@ -204,7 +204,7 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     add(f"  drafter  {dr.type}: {dr.num_layers} layers, gamma={dr.block_size}, window={dr.sliding_window or 'full'}, ffn={ffn}"
         + "".join(f", {e}" for e in extras if e))
     add(f"           {_n(plan.drafter_params)} trainable params; embedding + LM head: the target's, frozen, not saved")
-    add(f"  serving  {export_line(dr) if v4 is None else 'DeepSeek-V4 DSpark layout (mtp.{i}.*: vLLM DSparkDeepseekV4ForCausalLM, SGLang DeepseekV4ForCausalLMDSpark)'}")
+    add(f"  serving  {export_line(dr) if v4 is None else 'dstrain export --format deepseek-v4: the DeepSeek-V4 DSpark layout (mtp.{i}.*) vLLM DSparkDeepseekV4ForCausalLM and SGLang DeepseekV4ForCausalLMDSpark load'}")
     add(f"  loss     alpha_ce={r.loss.alpha_ce} alpha_tv={r.loss.alpha_tv} alpha_conf={r.loss.alpha_conf} gamma_decay={r.loss.gamma_decay}")
     add(f"  data     shards={r.data.shards} max_length={r.data.max_length} anchors/seq={r.anchors.per_sequence} shuffle={r.data.shuffle}")
     add(f"  train    {r.train.steps} steps x micro-batch {r.train.micro_batch_size} x accum {r.train.grad_accum}; lr {r.train.lr:g}"
