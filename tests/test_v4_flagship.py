@@ -88,15 +88,23 @@ def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_
     manifest = json.loads((shards / "manifest.json").read_text())  # made with the checkpoint's tokenizer
     manifest["tokenizer"]["fingerprint"] = write_tokenizer(ckpt, 128)
     (shards / "manifest.json").write_text(json.dumps(manifest))
-    a, b = tmp_path / "tp_ep", tmp_path / "pp"
-    plans = [overrides(ckpt, shards, a, TP_EP, 6), overrides(ckpt, shards, b, PP, 6)]
+    a, b, z = tmp_path / "tp_ep", tmp_path / "pp", tmp_path / "zero3"
+    # the third run: ZeRO-3 drafter ranks (what v4_pro.yaml uses), which must train and checkpoint the same drafter
+    plans = [overrides(ckpt, shards, a, TP_EP, 6), overrides(ckpt, shards, b, PP, 6),
+             [*overrides(ckpt, shards, z, TP_EP, 6), "deepspeed.zero_stage=3"]]
     torchrun("tests/dist/run_recipes.py", "recipes/v4_flash.yaml", json.dumps(plans))
-    run_a, run_b = a / "v4-flash-dspark", b / "v4-flash-dspark"
-    ref, pp = losses(run_a), losses(run_b)
-    assert len(ref) == 6 and len(pp) == 6, (ref, pp)
+    run_a, run_b, run_z = a / "v4-flash-dspark", b / "v4-flash-dspark", z / "v4-flash-dspark"
+    ref, pp, z3 = losses(run_a), losses(run_b), losses(run_z)
+    assert len(ref) == 6 and len(pp) == 6 and len(z3) == 6, (ref, pp, z3)
     worst = max(abs(x - y) for x, y in zip(ref, pp))
-    print(f"V4-Flash recipe on CPU: losses {[round(x, 4) for x in ref]}; TP2xEP2 vs PP2 target max |Δloss| {worst:.2e}")
+    worst_z3 = max(abs(x - y) for x, y in zip(ref, z3))
+    print(f"V4-Flash recipe on CPU: losses {[round(x, 4) for x in ref]}; TP2xEP2 vs PP2 target max |Δloss| {worst:.2e}; "
+          f"ZeRO-3 vs ZeRO-2 drafter {worst_z3:.2e}")
     assert worst < TOL, (ref, pp)
+    # Mutations caught: DraftStep registering the seq_w2 view (DeepSpeed raises), the experts' split-on-save hook
+    # indexing ZeRO-3's empty placeholders (the step-3 checkpoint raises).
+    assert worst_z3 < TOL, (ref, z3)
+    assert (run_z / "checkpoints" / "latest").read_text().strip() == "step-6"
     assert min(ref[3:]) < ref[0]
     for run in (run_a, run_b):
         assert (run / "checkpoints" / "latest").read_text().strip() == "step-6"

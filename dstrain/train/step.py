@@ -114,10 +114,12 @@ class DraftStep(torch.nn.Module):
     def __init__(self, drafter: torch.nn.Module, zero3: bool = False):
         super().__init__()
         self.drafter = drafter
-        if zero3 and drafter.seq_w2 is not None:
+        w2 = drafter.seq_w2
+        if zero3 and w2 is not None:
             import deepspeed
 
-            deepspeed.zero.register_external_parameter(self, drafter.seq_w2)
+            # V4's drafter hands the loss a [r, V] view of its [V, r] markov_w2: ZeRO-3 gathers the Parameter behind it
+            deepspeed.zero.register_external_parameter(self, w2 if isinstance(w2, torch.nn.Parameter) else w2._base)
 
     def forward(self, packed: PackedBlocks, feats: TargetFeatures, lm_head: torch.nn.Linear, loss_cfg):
         return draft_losses(self.drafter, lm_head, packed, feats, loss_cfg)
