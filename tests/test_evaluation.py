@@ -109,3 +109,16 @@ def test_user_mistakes_are_one_line_errors(tiny_run, tmp_path):
                         (["tools/calibrate.py", str(export)], "fingerprint")]:
         proc = run_tool(*args, check=False)
         assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
+
+
+def test_turn_prompts_on_a_tokenizer_without_a_chat_template_are_one_line():
+    """transformers raises a ValueError mid-evaluation here (seen on the tiny V4 checkpoint's tokenizer)."""
+    from types import SimpleNamespace
+
+    from dstrain.decoding.prompts import encode
+    from dstrain.errors import UserError
+
+    bare = SimpleNamespace(chat_template=None)
+    with pytest.raises(UserError, match="no chat template.*input_ids"):
+        encode([{"id": "q1", "domain": "math", "turns": ["2 + 2?"]}], bare, 128)
+    assert encode([{"id": "q2", "domain": "math", "input_ids": [1, 2]}], bare, 128) == [[1, 2]]

@@ -142,3 +142,37 @@ def test_the_chi_square_check_catches_a_biased_verifier(monkeypatch):
     recipe, target, drafter = build(FAMILIES["dspark-markov"])
     decoder = SpecDecoder(target, drafter, gamma=recipe.drafter.block_size, window=recipe.drafter.sliding_window, seed=7)
     assert chi_square_p(sample_y2_y3(decoder), exact_y2_y3(target)) < 1e-6
+
+
+def test_greedy_speculative_on_a_deepseek_v4_target_equals_greedy():
+    """DeepSeek-V4's transformers caches slide and compress, so rejected drafts cannot sit in them behind a mask (a
+    DynamicCache without its config fails outright: no store_compression_weights). Its session recomputes the prefix
+    each round: greedy speculative decoding with the V4-native drafter must equal greedy decoding by plain full
+    forwards, with prompts of different lengths decoded together (right padding)."""
+    from dstrain.models.contract import spec_from_config
+    from dstrain.recipe import DrafterConfig
+    from dstrain.targets.hf import HFTarget, random_model
+    from tiny_configs import TINY
+
+    model = random_model(TINY["deepseek_v4"], seed=0)
+    target = HFTarget(model, "tiny-v4", num_capture=2)
+    assert not target.masked_cache_ok
+    cfg = model.config
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)  # peaked next-token distributions: some drafts accepted
+    dcfg = DrafterConfig(type="dspark", num_layers=2, block_size=4, head_rank=8, mask_token_id=cfg.vocab_size - 1,
+                         sliding_window=cfg.sliding_window, ffn={"balance": "bias_update"})
+    torch.manual_seed(1)
+    drafter = build_drafter(dcfg, spec_from_config(cfg, 2), target.embedding, cfg).eval()
+    prompts = [[5, 9, 13, 2, 7, 1, 8, 30, 4], [3, 3], [10, 2, 3, 4, 11, 12, 13, 14, 20, 21, 22, 23, 24]]
+    new = 24  # past the tiny window and a compression stride: the caches would have slid and compressed
+    plain = SpecDecoder(target, None, temperature=0).generate(prompts, new)
+    spec = SpecDecoder(target, drafter, gamma=4, window=cfg.sliding_window, temperature=0).generate(prompts, new)
+    assert spec.outputs == plain.outputs
+    assert (spec.rounds["proposed"] > 0).all()
+    for prompt, got in zip(prompts, plain.outputs):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(new):
+                ids.append(int(target.lm_head(target(torch.tensor([ids])).final_hidden[0, -1]).argmax()))
+        assert got == ids[len(prompt):]

@@ -3,9 +3,11 @@ random DeepSeek-V4 checkpoint (V4-Flash's storage: block-FP8 linears, BF16 compr
 megatron target ranks streaming to DeepSpeed drafter ranks, a checkpoint, and a resume.
 
 Two launches of 4 ranks (2 drafters + 2 target ranks): (1) tests/dist/run_recipes.py runs the recipe for 6 steps
-(checkpoints at 3 and 6) with a TP=2 × EP=2 target, then with a PP=2 target; (2) after the PP=2 run's step-6
-checkpoint is removed (a crash after step 3), the flagship command itself resumes it. Checks: both target layouts
-give the same losses, features crossed the channel, checkpoints exist, the resumed steps 4-6 equal the originals.
+(checkpoints at 3 and 6) with a TP=2 × EP=2 target, then with a PP=2 target, then TP=2 × EP=2 with ZeRO-3 drafter
+ranks; (2) after the PP=2 run's step-6 checkpoint is removed (a crash after step 3), the flagship command itself
+resumes it. Checks: the target layouts and ZeRO stages give the same losses, features crossed the channel,
+checkpoints exist, the resumed steps 4-6 equal the originals. Then the trained drafter is exported in the
+deepseek-v4 format (FP8 like the tiny checkpoint) and `dstrain eval` re-imports and evaluates it against the target.
 The drafter is the recipe's own (drafter.backbone=v4: V4BlockDrafter, its layers the tiny target's shape), and its
 checkpoint is the engines' mtp.{i} layout with every draft layer's routing bias moved by the aux-loss-free balance.
 """
@@ -18,7 +20,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, run_tool
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5  # fp32 loss agreement, absolute
@@ -128,3 +130,18 @@ def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_
     print(f"resumed at step 3: steps 4-6 max |Δloss| {worst:.2e} against the uninterrupted run")
     assert worst < TOL, (pp, resumed)
     assert (ckpts / "latest").read_text().strip() == "step-6"
+
+    # what it trained serves: V4's own layout (FP8 in the target's 8-blocks), re-imported by eval against the target
+    served = tmp_path / "served"
+    run_tool("-m", "dstrain", "export", run_a, served, "--format", "deepseek-v4")
+    index = json.loads((served / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "mtp.0.main_proj.weight" in index and "mtp.0.main_proj.scale" in index and "mtp.2.hc_head_fn" in index
+    ev, prompts = tmp_path / "eval", tmp_path / "prompts.jsonl"  # the tiny tokenizer has no chat template: token ids
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "domain": "math", "input_ids": list(range(3 + i, 40 + i))}) + "\n"
+                               for i in range(2)))
+    run_tool("-m", "dstrain", "eval", "--drafter", f"v4={served}", "--target", ckpt, "--prompts", prompts,
+             "--max-new-tokens", "8", "--no-baseline", "--out", ev)
+    res = json.loads((ev / "results.json").read_text())["drafters"]["v4"]
+    print(f"exported deepseek-v4 drafter, re-imported and evaluated: τ {res['macro_tau']:.2f}")
+    assert res["trained_steps"] == 6 and res["gamma"] == 5  # the run's drafter, with the recipe's block
+    assert res["domains"]["math"]["new_tokens"] == 16 and res["macro_tau"] >= 1.0

@@ -106,6 +106,9 @@ def encode(records: list[dict], tokenizer, vocab_size: int) -> list[list[int]]:
             ids = rec["input_ids"]
         elif tokenizer is None:
             raise UserError(f"prompt {rec['id']}: this target has no tokenizer; give prompts as input_ids")
+        elif not getattr(tokenizer, "chat_template", None):  # transformers would raise a ValueError mid-run
+            raise UserError(f"prompt {rec['id']}: the target's tokenizer has no chat template to wrap its turns in; give "
+                            "prompts as input_ids (--prompts FILE, one {\"id\", \"domain\", \"input_ids\"} per line)")
         else:
             messages = ([{"role": "system", "content": rec["system"]}] if rec.get("system") else []) + \
                        [{"role": "user", "content": rec["turns"][0]}]

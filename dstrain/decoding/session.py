@@ -7,6 +7,11 @@ Each request keeps its own position counter, so positions stay contiguous over i
 Tokens and the captured features of every processed position live in padded tensors
 ([R, capacity] and [R, capacity, m, d]), so a round costs no per-request Python work.
 Finished requests leave the batch (cache rows selected away).
+
+Targets whose cache cannot hold masked slots (`masked_cache_ok` False: DeepSeek-V4's sliding, compressing caches)
+decode without a cache: every round runs the target on each request's kept tokens plus the new slots, right-padded
+(causal attention: padding after a row's tokens never reaches them), at O(length) per round. Exact, and slow: it
+is for evaluating such targets on small models, not for serving them.
 """
 
 from __future__ import annotations
@@ -23,17 +28,29 @@ class TargetSession:
 
         self.target = target
         self.device = dev = target.lm_head.weight.device  # every index and token tensor lives beside the target
-        self.cache = DynamicCache()
+        self.recompute = not getattr(target, "masked_cache_ok", True)
+        self.cache = None if self.recompute else DynamicCache()
         width = max(len(p) for p in prompts)
         rows = len(prompts)
         self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
+        cap = width + capacity
+        self.tokens = torch.zeros(rows, cap, dtype=torch.long, device=dev)
+        self.ids = self.arange(rows)  # which original request each row is
+        self.lengths = self.prompt_len.clone()  # tokens so far; all but the last are processed
+        if self.recompute:
+            self.mask = None
+            self.tokens[:, :width] = torch.nn.utils.rnn.pad_sequence([torch.tensor(p, device=dev) for p in prompts],
+                                                                     batch_first=True)
+            out = self._run(self.tokens[:, :width], (self.arange(width)[None, :] < self.prompt_len[:, None]).long())
+            self.features = out.captured.new_zeros(rows, cap, *out.captured.shape[2:])
+            self.features[:, :width] = out.captured
+            self.last_hidden = out.final_hidden[self.arange(rows), self.prompt_len - 1]
+            return
         # left padding: every row's last prompt token is in the last column
         ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1], device=dev) for p in prompts], batch_first=True).flip(1)
         self.mask = (self.arange(width)[None, :] >= (width - self.prompt_len)[:, None]).long()
         positions = (self.mask.cumsum(1) - 1).clamp(min=0)
         out = target(ids, self.mask, positions, self.cache)
-        cap = width + capacity
-        self.tokens = torch.zeros(rows, cap, dtype=torch.long, device=dev)
         self.features = out.captured.new_zeros(rows, cap, *out.captured.shape[2:])
         shift = width - self.prompt_len  # right-align → left-align per row
         col = self.arange(width)[None, :] + shift[:, None]
@@ -41,9 +58,12 @@ class TargetSession:
         inside = col < width
         self.tokens[:, :width] = torch.where(inside, ids.gather(1, take), 0)
         self.features[:, :width] = torch.where(inside[..., None, None], out.captured[self.arange(rows)[:, None], take], 0)
-        self.lengths = self.prompt_len.clone()  # tokens so far; all but the last are processed
         self.last_hidden = out.final_hidden[:, -1]  # [R, d] the target's state after each prompt
-        self.ids = self.arange(rows)  # which original request each row is
+
+    def _run(self, tokens: torch.Tensor, mask: torch.Tensor):
+        """The target without a cache on right-padded rows (positions 0.. per row)."""
+        positions = self.arange(tokens.shape[1])[None, :].expand_as(tokens)
+        return self.target(tokens, mask, positions, None)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -83,20 +103,38 @@ class TargetSession:
 
     def extend(self, tokens: torch.Tensor, valid: torch.Tensor):
         """Run the target on new slots [R, n] (valid [R, n]: slots a row really fills; they come first)."""
+        if self.recompute:
+            return self._recompute(tokens, valid)
         positions = (self.lengths - 1)[:, None] + self.arange(tokens.shape[1])[None, :]
         self.mask = torch.cat([self.mask, valid.long()], dim=1)
         return self.target(tokens, self.mask, positions, self.cache)
+
+    def _recompute(self, tokens: torch.Tensor, valid: torch.Tensor):
+        """Each row's processed tokens, then its new slots, right-padded; the outputs of the new slots."""
+        n, start = tokens.shape[1], self.lengths - 1  # start[r]: row r's processed tokens
+        width = int(start.max()) + n
+        rel = self.arange(width)[None, :] - start[:, None]  # column -> index into the new slots (< 0: history)
+        new = rel.clamp(0, n - 1)
+        full = torch.where(rel < 0, self.tokens[:, :width], tokens.gather(1, new))
+        mask = ((rel < 0) | ((rel < n) & valid.gather(1, new))).long()
+        out = self._run(full, mask)
+        take = start[:, None] + self.arange(n)[None, :]
+        rows = self.arange(len(self))[:, None]
+        return type(out)(captured=out.captured[rows, take], final_hidden=out.final_hidden[rows, take])
 
     def commit(self, kept: torch.Tensor, captured: torch.Tensor) -> None:
         """Of the n slots just written, row r keeps its first kept[r]: their features become context."""
         n = captured.shape[1]
         ok = self.arange(n)[None, :] < kept[:, None]
-        self.mask[:, -n:] &= ok.long()
+        if self.mask is not None:
+            self.mask[:, -n:] &= ok.long()
         dest = (self.lengths - 1)[:, None] + self.arange(n)[None, :]
         rows = self.arange(len(self))[:, None].expand_as(dest)
         self.features[rows[ok], dest[ok]] = captured[ok]
 
     def keep_rows(self, keep: torch.Tensor) -> None:
-        self.cache.batch_select_indices(keep)
+        if self.cache is not None:
+            self.cache.batch_select_indices(keep)
         for name in ("mask", "prompt_len", "tokens", "features", "lengths", "last_hidden", "ids"):
-            setattr(self, name, getattr(self, name)[keep])
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[keep])

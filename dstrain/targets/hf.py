@@ -21,10 +21,10 @@ from dstrain.errors import UserError
 from dstrain.targets.base import TargetOutput, resolve_capture_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# families whose decoder builds its mask with masking_utils.create_causal_mask (a 4-D mask passes through it as is)
 # how a captured layer is read out; the feature cache keys on it, so features read another way are never served.
 # 2: mHC streams averaged (1: through the model's hc_head)
 READOUT_VERSION = 2
+# families whose decoder builds its mask with masking_utils.create_causal_mask (a 4-D mask passes through it as is)
 PREPARED_MASK_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
@@ -52,6 +52,13 @@ class HFTarget:
     @property
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
+
+    @property
+    def masked_cache_ok(self) -> bool:
+        """Whether speculative decoding may keep rejected drafts in a DynamicCache behind a 2-D mask
+        (decoding/session.py). Not for DeepSeek-V4: its caches slide and compress, so a masked slot would push real
+        ones out of the window and enter the compressed entries; its session recomputes the prefix instead."""
+        return self.model.config.model_type != "deepseek_v4"
 
     @staticmethod
     def _readout(hidden: torch.Tensor) -> torch.Tensor:
