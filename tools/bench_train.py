@@ -6,8 +6,8 @@ weights, sequences, anchors and target features (every path computes the same lo
   floor     what any drafter step must do per supervised position (docs/benchmarks.md, "The vocabulary floor"): three d x V GEMMs — target
             logits [N x d]@[d x V], draft logits, and the draft logits' backward into the hidden state
             [N x V]@[V x d] — timed in the packed step's process, at its N, dtype and device;
-  packed    ours: anchor-bounded packing, context keys shared by blocks with overlapping ranges (KeyGroups),
-            the fused row-chunked vocabulary loss (dstrain/train/losses.py);
+  packed    ours: the trainer's static anchor-bounded packing (fixed anchor slots per sequence), one attention call
+            per layer over BlockGroups (models/attention.py), the fused row-chunked vocabulary loss (dstrain/train/losses.py);
   deepspec  what the public DeepSpec DSpark trainer does (tools/bench_train_refs.py): context keys projected
             once per sequence and shared, a dense mask per sequence, target logits only at supervised positions,
             full-vocabulary fp32 softmaxes;
