@@ -147,3 +147,81 @@ def test_key_groups_refuse_another_block_size():
         block_attention(q, kv, kv, ctx, ctx, p.key_groups)
     kv5 = torch.randn(p.num_blocks, 5, 2, 8)
     assert block_attention(torch.randn(p.num_blocks, 5, 4, 8), kv5, kv5, ctx, ctx, p.key_groups).shape == (p.num_blocks, 5, 4, 8)
+
+
+def _static(lengths, per_seq, window, seed=0, slots=None, masks=None):
+    from dstrain.data.anchors import anchor_slots
+
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(5, 50, (n,), generator=g) for n in lengths]
+    masks = masks or [torch.ones(n, dtype=torch.long) for n in lengths]
+    drawn = [anchor_slots(m, per_seq, anchor_generator(seed, str(i))) for i, m in enumerate(masks)]
+    p = pack_blocks(ids, masks, [a for a, _ in drawn], 4, mask_token_id=1, window=window, slots=slots,
+                    per_sequence=per_seq, keep=[k for _, k in drawn])
+    return ids, masks, p
+
+
+@pytest.mark.parametrize("window", [None, 8, 1])
+@pytest.mark.parametrize("lengths", [[5, 300, 37], [64]])
+@pytest.mark.parametrize("per_seq", [8, 60])
+def test_static_packed_attention_equals_dense_reference(window, lengths, per_seq):
+    """The static packing (fixed anchor slots, padding slots kept with keep False) and its one-call BlockGroups layout:
+    equal to the dense reference in fp64 (1e-10), gradients included; padding slots see no context."""
+    from dstrain.models.attention import BlockGroups
+
+    torch.manual_seed(0)
+    ids, masks, p = _static(lengths, per_seq, window)
+    gamma, h, hkv, d = 4, 4, 2, 8
+    assert isinstance(p.key_groups, BlockGroups) and p.num_blocks == per_seq * len(lengths)
+    pad = ~p.keep
+    assert pad.any() == (min(lengths) - 1 < per_seq)  # the 5-token sequence has 4 candidates
+    assert torch.all(p.labels[pad] == IGNORE) and torch.all(p.key_index[pad] == -1) and not p.valid[pad].any()
+    total = sum(lengths)
+    k_all = torch.randn(total, hkv, d, dtype=torch.float64, requires_grad=True)
+    v_all = torch.randn(total, hkv, d, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(p.num_blocks, gamma, h, d, dtype=torch.float64, requires_grad=True)
+    k_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64, requires_grad=True)
+    v_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64, requires_grad=True)
+    leaves = [q, k_blk, v_blk, k_all, v_all]
+    packed = block_attention(q, k_blk, v_blk, k_all[p.ctx_rows], v_all[p.ctx_rows], p.key_groups)
+    per_block = block_attention(q, k_blk, v_blk, k_all[p.ctx_rows], v_all[p.ctx_rows], p.key_index)
+    ref = dense_reference(q, k_blk, v_blk, k_all, v_all, p, window, lengths)
+    torch.testing.assert_close(packed, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(per_block, ref, atol=1e-10, rtol=0)
+    upstream = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(packed, leaves, upstream)
+    want = torch.autograd.grad(ref, leaves, upstream)
+    for g_got, g_want in zip(got, want):
+        torch.testing.assert_close(g_got, g_want, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_static_packing_shapes_do_not_depend_on_the_draw(window):
+    """Two anchor draws (and a loss mask with few candidates in one sequence): every tensor of the packing, of its
+    attention groups and of its loss-chunk plan has the same shape; the padding slots carry no label."""
+    from dataclasses import fields
+
+    from dstrain.train.losses import plan_vocab_chunks
+
+    lengths = [300, 150]
+    short = torch.zeros(150, dtype=torch.long)
+    short[40:52] = 1  # 11 candidates for 24 slots
+    masks = [torch.ones(300, dtype=torch.long), short]
+
+    def shapes(seed):
+        _, _, p = _static(lengths, 24, window, seed=seed, masks=masks)
+        p = plan_vocab_chunks(p, vocab=64, rows_per_chunk=32)
+        out = []
+        for f in fields(p):
+            v = getattr(p, f.name)
+            if isinstance(v, torch.Tensor):
+                out.append((f.name, tuple(v.shape)))
+            elif v is not None and not isinstance(v, int):
+                v.map(lambda t, n=f.name: out.append((n, tuple(t.shape))) or t)
+        return p, out
+
+    (p0, s0), (p1, s1) = shapes(0), shapes(1)
+    assert not torch.equal(p0.anchors, p1.anchors) and s0 == s1
+    assert p0.keep.view(2, 24).sum(1).tolist() == [24, 11]
+    assert p0.valid.view(2, 24, 4)[1, 11:].sum() == 0
+    assert any(c is not None for c in p0.loss_chunks.target)  # the bound still lets dense blocks share rows

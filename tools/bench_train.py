@@ -6,8 +6,8 @@ weights, sequences, anchors and target features (every path computes the same lo
   floor     what any drafter step must do per supervised position (docs/benchmarks.md, "The vocabulary floor"): three d x V GEMMs — target
             logits [N x d]@[d x V], draft logits, and the draft logits' backward into the hidden state
             [N x V]@[V x d] — timed in the packed step's process, at its N, dtype and device;
-  packed    ours: anchor-bounded packing, context keys shared by blocks with overlapping ranges (KeyGroups),
-            the fused row-chunked vocabulary loss (dstrain/train/losses.py);
+  packed    ours: the trainer's static anchor-bounded packing (fixed anchor slots per sequence), one attention call
+            per layer over BlockGroups (models/attention.py), the fused row-chunked vocabulary loss (dstrain/train/losses.py);
   deepspec  what the public DeepSpec DSpark trainer does (tools/bench_train_refs.py): context keys projected
             once per sequence and shared, a dense mask per sequence, target logits only at supervised positions,
             full-vocabulary fp32 softmaxes;
@@ -68,7 +68,7 @@ def sync(device: torch.device) -> None:
 
 
 def setup(args, context: int, window: int | None, anchors: int, draw: int = 0):
-    from dstrain.data.anchors import anchor_generator, sample_anchors
+    from dstrain.data.anchors import anchor_generator, anchor_slots
     from dstrain.data.loader import Sample
     from dstrain.data.packing import pack_blocks
     from dstrain.models.contract import TargetSpec
@@ -91,8 +91,10 @@ def setup(args, context: int, window: int | None, anchors: int, draw: int = 0):
         drafter.seq_head.w2.normal_(0, 0.02)
     samples = [Sample(torch.randint(0, size["vocab"], (context,)), torch.ones(context, dtype=torch.bool), {"id": str(i)})
                for i in range(args.batch)]
-    picks = [sample_anchors(s.loss_mask, anchors, anchor_generator(draw, s.meta["id"])) for s in samples]  # draw: another anchor set
-    packed = pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], picks, args.gamma, 0, window)
+    # draw: another anchor set; the trainer's static packing (train.step.pack_samples): fixed slots per sequence
+    picks = [anchor_slots(s.loss_mask, anchors, anchor_generator(draw, s.meta["id"])) for s in samples]
+    packed = pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], [a for a, _ in picks], args.gamma,
+                         0, window, per_sequence=anchors, keep=[k for _, k in picks])
     packed = plan_vocab_chunks(packed, size["vocab"], device)  # the data path's host work, before the step
     captured = torch.randn(args.batch * context, 3, size["hidden"], device=device).to(dtype)
     final = torch.randn(args.batch * context, size["hidden"], device=device).to(dtype)

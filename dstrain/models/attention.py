@@ -5,7 +5,7 @@ contiguous range of the deduplicated context rows — and (b) all keys of its ow
 the block). Blocks never see each other. CPU training cannot use flex_attention (no backward on CPU in
 torch 2.13), so this is SDPA.
 
-Two layouts, equal up to summation order (tests/test_packing.py checks both against a dense mask):
+Three layouts, equal up to summation order (tests/test_packing.py checks each against a dense mask):
   per block   each block gathers its own copy of its context keys: memory N × (Wk + γ); fine for a short
               window, quadratic-looking without one (every block copies up to T keys);
   grouped     (KeyGroups) consecutive blocks whose key ranges overlap share one contiguous slice of the
@@ -17,6 +17,14 @@ Two layouts, equal up to summation order (tests/test_packing.py checks both agai
               up to one of `steps` sizes per power of two (padding ≤ 1/steps); rounding to powers of two
               padded 512 anchors on 8192 tokens to 1.57× the needed query-key pairs, this to 1.14× (attention
               forward and backward 2.5 → 1.7 s per layer on one Zen 4 core, slack 1.5 → 1.2 included).
+              Its buckets depend on the draw: one SDPA call and ~67 device ops per bucket, shapes that change
+              every step (issue 23);
+  static      (BlockGroups, the trainer's: the static packing of data/packing.py) N/G groups of G consecutive
+              blocks, each one slice of K context rows: with a window G = 1 and K = W (per block, no copies of
+              overlapping windows shared), without one G blocks of a sequence share its first K = length-bucket
+              rows (about 2× the needed pairs: a group computes every block against the whole sequence). One
+              SDPA call per layer whatever the anchors, shapes fixed by (batch, anchors per sequence, γ, window,
+              length bucket).
 """
 
 from __future__ import annotations
@@ -114,6 +122,66 @@ class KeyGroups:
         return KeyGroups(buckets, order.to(device), slots)
 
 
+@dataclass
+class BlockGroups:
+    """The static layout (packing with a fixed anchor count per sequence, data/packing.py): the N blocks as N/G groups
+    of G consecutive blocks of one sequence, each group attending one slice of `width` context rows from its first
+    visible row, with a mask for each block's own range and its own block. N, G and the width follow from the batch,
+    the anchor count, the block size, the window and the length bucket alone, never from the anchor draw: one SDPA
+    call per layer whatever the anchors, every shape the same from step to step (a CUDA graph can hold it)."""
+
+    rows: torch.Tensor  # [N/G, K] context row of each key slot (clamped; the mask hides what the blocks may not see)
+    mask: torch.Tensor  # [N/G, 1, G·slots, K + G·slots]
+    group: int  # G blocks per group
+    slots: int  # query slots (= own keys) per block the mask was built for
+
+    def map(self, fn) -> "BlockGroups":
+        return BlockGroups(fn(self.rows), fn(self.mask), self.group, self.slots)
+
+    @staticmethod
+    def build(key_index: torch.Tensor, slots: int, group: int, width: int, n_rows: int) -> "BlockGroups | None":
+        """Vectorised host work (no loop over blocks). None when the blocks do not fit the layout: a block's keys not
+        one contiguous range of rows, N not a multiple of `group`, or a group's rows wider than `width`."""
+        n = key_index.shape[0]
+        if not n or n % group or n_rows < 1:
+            return None
+        ki = key_index
+        valid = ki >= 0
+        count = valid.sum(1)
+        big = torch.iinfo(ki.dtype).max
+        if ki.shape[1]:
+            lo = torch.where(valid, ki, torch.full_like(ki, big)).min(1).values
+            hi = torch.where(valid, ki, torch.full_like(ki, -1)).max(1).values + 1
+        else:
+            lo = hi = torch.zeros(n, dtype=ki.dtype)
+        lo, hi = torch.where(count > 0, lo, 0), torch.where(count > 0, hi, 0)
+        if bool((hi - lo != count).any()):
+            return None
+        b = n // group
+        lo_g = torch.where(count > 0, lo, big).view(b, group).min(1).values
+        base = torch.where(lo_g == big, 0, lo_g)
+        if bool(((hi.view(b, group) - base[:, None] > width) & (count.view(b, group) > 0)).any()):
+            return None
+        rows = base[:, None] + torch.arange(width)[None, :]  # [B, K]
+        mask = (rows[:, None, :] >= lo.view(b, group)[:, :, None]) & (rows[:, None, :] < hi.view(b, group)[:, :, None])
+        return BlockGroups(rows.clamp(max=n_rows - 1), _full_mask(mask, slots), group, slots)
+
+
+def _fixed(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockGroups, scale):
+    n, g, h, hd = q.shape
+    own, hkv = k_blk.shape[1], k_blk.shape[2]
+    gm, width = plan.group, plan.rows.shape[1]
+    b = n // gm
+    if plan.mask.shape[2:] != (gm * g, width + gm * own):
+        raise ValueError(f"BlockGroups built for {plan.slots} slots per block, attention has {g} queries"
+                         f" and {own} own keys per block: build them with slots={g}")
+    qq = q.reshape(b, gm * g, h, hd).transpose(1, 2)
+    keys = torch.cat([k_ctx[plan.rows], k_blk.reshape(b, gm * own, hkv, hd)], 1).transpose(1, 2)
+    values = torch.cat([v_ctx[plan.rows], v_blk.reshape(b, gm * own, hkv, hd)], 1).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qq, keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=h != hkv)
+    return out.transpose(1, 2).reshape(n, g, h, hd)
+
+
 def _full_mask(mask_ctx: torch.Tensor, slots: int) -> torch.Tensor:
     """[B, G, K] context visibility per block → [B, 1, G·slots, K + G·slots] for the bucket's SDPA call: each of a
     block's query slots sees its context range and every key of its own block. Built once on the host while packing,
@@ -156,11 +224,13 @@ def _grouped(q, k_blk, v_blk, k_ctx, v_ctx, plan: KeyGroups, scale):
 
 
 def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
-                    key_index: "torch.Tensor | KeyGroups", scale: float | None = None) -> torch.Tensor:
+                    key_index: "torch.Tensor | KeyGroups | BlockGroups", scale: float | None = None) -> torch.Tensor:
     """q [N, γ, H, hd]; k/v_blk [N, γ', Hkv, hd]; k/v_ctx [R, Hkv, hd]; key_index [N, Wk] (−1 = empty) or the
-    KeyGroups built from it → [N, γ, H, hd]."""
+    KeyGroups or BlockGroups built from it → [N, γ, H, hd]."""
     if isinstance(key_index, KeyGroups):
         return _grouped(q, k_blk, v_blk, k_ctx, v_ctx, key_index, scale)
+    if isinstance(key_index, BlockGroups):
+        return _fixed(q, k_blk, v_blk, k_ctx, v_ctx, key_index, scale)
     n, own = k_blk.shape[:2]  # own block keys (γ; fewer while unrolling autoregressively)
     idx = key_index.clamp(min=0)
     keys = torch.cat([k_ctx[idx], k_blk], dim=1).transpose(1, 2)  # [N, Hkv, Wk+γ, hd]

@@ -107,20 +107,55 @@ class VocabChunks:
                                         for side in (self.markov, self.target)))
 
 
-def _distinct_positions(index: torch.Tensor):
+def _distinct_positions(index: torch.Tensor, cap: int | None = None):
+    """(first [U], inverse [m]) of the chunk's distinct table rows, or None when sharing saves under a tenth. With
+    `cap` (the static packing's bound on U whatever the draw) the decision is the cap's and `first` is padded to cap
+    entries (repeats of its last: computed, never read), so the chunk's shapes do not depend on the draw."""
     values, inverse = torch.unique(index, return_inverse=True)
-    if len(values) > 0.9 * len(index):
-        return None
+    if (len(values) if cap is None else cap) > 0.9 * len(index) or (cap is not None and len(values) > cap):
+        return None  # (a broken bound — anchors not as the static packing draws them — shares nothing: exact still)
     first = torch.empty(len(values), dtype=torch.long).scatter_(0, inverse, torch.arange(len(index)))
+    if cap is not None and len(first) < cap:
+        first = torch.cat([first, first[-1:].expand(cap - len(first))])
     return first, inverse
 
 
-def vocab_chunks(markov_index: torch.Tensor | None, target_index: torch.Tensor, rows: int) -> VocabChunks:
-    """The host-side plan of vocab_loss's chunks of `rows` rows (host tensors in, host tensors out)."""
+def vocab_chunks(markov_index: torch.Tensor | None, target_index: torch.Tensor, rows: int,
+                 caps: list[int] | None = None) -> VocabChunks:
+    """The host-side plan of vocab_loss's chunks of `rows` rows (host tensors in, host tensors out). `caps`: per chunk,
+    a bound on its distinct rows that holds for every anchor draw (static_chunk_caps), for static shapes."""
     n = len(target_index)
     starts = range(0, n, max(1, rows))
-    markov = [None if markov_index is None else _distinct_positions(markov_index[lo:lo + rows]) for lo in starts]
-    return VocabChunks(max(1, rows), markov, [_distinct_positions(target_index[lo:lo + rows]) for lo in starts])
+    caps = caps or [None] * len(starts)
+    markov = [None if markov_index is None else _distinct_positions(markov_index[lo:lo + rows], cap)
+              for lo, cap in zip(starts, caps)]
+    return VocabChunks(max(1, rows), markov, [_distinct_positions(target_index[lo:lo + rows], cap)
+                                              for lo, cap in zip(starts, caps)])
+
+
+def static_chunk_caps(packed, rows: int) -> list[int] | None:
+    """For a static packing (fixed anchor slots per sequence), a bound per loss chunk on the distinct target rows (and
+    previous-token rows) its positions read, for any draw: a piece of a sequence with j of its c real anchors (sorted,
+    distinct, in [0, T − 2], T the length bucket) spans at most T − 2 − (c − j) positions, so it reads at most
+    min(j·γ, that + γ) rows, and its padding slots (all at position 0) at most γ more. Dense anchors share rows:
+    512 anchors on 512 tokens, chunks of 256 positions, at most 56 target rows per chunk. Depends on the number of
+    real anchors per sequence (the data's candidates), never on which anchors were drawn."""
+    if packed.per_sequence is None or packed.keep is None:
+        return None
+    k, gamma, bucket = packed.per_sequence, packed.final_rows.shape[1], packed.length_bucket
+    real = packed.keep.view(-1, k).sum(1).tolist()
+    n, per = packed.final_rows.numel(), k * gamma
+    caps = []
+    for lo in range(0, n, rows):
+        hi, cap = min(lo + rows, n), 0
+        for s in range(lo // per, (hi - 1) // per + 1):
+            p0, p1 = max(lo, s * per) - s * per, min(hi, (s + 1) * per) - s * per
+            j0, j1 = p0 // gamma, (p1 - 1) // gamma + 1
+            jr = max(0, min(j1, real[s]) - j0)
+            bound = (min(jr * gamma, bucket - 2 - (real[s] - jr) + gamma) if jr else 0) + (gamma if j1 - j0 > jr else 0)
+            cap += min(p1 - p0, bound)
+        caps.append(cap)
+    return caps
 
 
 def default_chunk_rows(n: int, vocab: int, device, budget_mb: float | None = None) -> int:
@@ -135,8 +170,9 @@ def plan_vocab_chunks(packed, vocab: int, device="cpu", rows_per_chunk: int | No
     """`packed` (host tensors) with its loss chunks planned for a vocabulary of `vocab` (train.step.draft_losses
     then needs no torch.unique and no free-memory query inside the step)."""
     n = packed.final_rows.numel()
-    rows = rows_per_chunk or default_chunk_rows(n, vocab, device)
-    return replace(packed, loss_chunks=vocab_chunks(packed.prev_inverse, packed.final_rows.reshape(-1), rows))
+    rows = max(1, rows_per_chunk or default_chunk_rows(n, vocab, device))
+    return replace(packed, loss_chunks=vocab_chunks(packed.prev_inverse, packed.final_rows.reshape(-1), rows,
+                                                    static_chunk_caps(packed, rows)))
 
 
 def _chunk_table(plan, i: int, index: torch.Tensor):

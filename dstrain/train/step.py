@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dstrain.data.anchors import anchor_generator, sample_anchors
+from dstrain.data.anchors import anchor_generator, anchor_slots
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks, pack_blocks
 from dstrain.models.heads import MarkovHead
@@ -101,9 +101,12 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
 
 def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int,
                  slots: int | None = None) -> PackedBlocks:
-    anchors = [sample_anchors(s.loss_mask, anchors_per_seq, anchor_generator(seed, s.meta["id"], epoch)) for s in samples]
-    return pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], anchors, gamma,
-                       mask_token_id=0, window=window, slots=slots)
+    """The static packing: exactly anchors_per_seq block slots per sequence (padding where a sequence has fewer
+    candidates, keep False), so the step's shapes never depend on the draw (issue 23)."""
+    drawn = [anchor_slots(s.loss_mask, anchors_per_seq, anchor_generator(seed, s.meta["id"], epoch)) for s in samples]
+    return pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], [a for a, _ in drawn], gamma,
+                       mask_token_id=0, window=window, slots=slots, per_sequence=anchors_per_seq,
+                       keep=[k for _, k in drawn])
 
 
 class DraftStep(torch.nn.Module):
