@@ -260,3 +260,48 @@ def test_v4_moe_state_dict_is_per_expert_and_loads_back():
     del state["experts.3.w1.weight"]
     with pytest.raises(RuntimeError, match=r"Missing key\(s\).*experts\.3\.w1\.weight"):
         twin.load_state_dict(state, strict=True)
+
+
+@pytest.mark.parametrize("balance", ["aux_loss", "bias_update"])
+def test_padding_blocks_move_no_balance_and_no_load(balance):
+    """The static packing pads each sequence to anchors.per_sequence blocks (keep False). Padding still runs through
+    the experts (static shapes) but its load and aux loss must be the real blocks' alone: all padding blocks are
+    alike (anchor 0, mask tokens), so counting them would steer the balance toward their experts."""
+    from dstrain.models.layers import real_blocks
+
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 4, 2, shared=True, balance=balance).train()
+    x = torch.randn(5, 3, 16)  # 5 blocks of 3 slots
+    keep = torch.tensor([True, False, True, True, False])
+    with real_blocks([moe], keep):
+        out, aux = moe(x)
+    assert moe.block_keep is None  # only while the forward runs
+    load, counts = moe.last_load.clone(), moe.take_load()
+    ref_out, ref_aux = moe(x[keep])
+    torch.testing.assert_close(out[keep], ref_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(load, moe.last_load)
+    torch.testing.assert_close(aux, ref_aux)
+    assert counts.sum() == keep.sum() * 3 * 2 and torch.equal(counts, moe.take_load())
+    if balance == "aux_loss":
+        assert aux > 0
+
+
+
+def test_v4_moe_padding_blocks_move_no_load():
+    from dstrain.models.layers import real_blocks
+    from dstrain.models.v4_draft_layer import V4DraftDims, V4DraftMoE
+    from dstrain.targets.configs import config_from_dict
+    from tiny_configs import TINY
+
+    torch.manual_seed(0)
+    dims = V4DraftDims.from_config(config_from_dict(TINY["deepseek_v4"]))
+    v4 = V4DraftMoE(dims).train()
+    x = torch.randn(5, 3, dims.hidden)
+    keep = torch.tensor([True, False, True, True, False])
+    with real_blocks([v4], keep):
+        out = v4(x)
+    real, counts = v4.last_load.clone(), v4.take_load()
+    ref = v4(x[keep])
+    torch.testing.assert_close(out[keep], ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(real, v4.last_load)
+    assert counts.sum() == keep.sum() * 3 * dims.topk and torch.equal(counts, v4.take_load())

@@ -18,7 +18,7 @@ from dstrain.data.packing import PackedBlocks
 from dstrain.models.contract import DraftOutput, Proposal, TargetSpec
 from dstrain.models.heads import ConfidenceHead, MarkovHead, RNNHead
 from dstrain.blocks.mhc import HyperConnection, HyperHead
-from dstrain.models.layers import MoE, BlockLayer, RMSNorm, attention_shape, make_ffn
+from dstrain.models.layers import MoE, BlockLayer, RMSNorm, attention_shape, make_ffn, real_blocks
 
 
 class BlockDrafter(nn.Module):
@@ -116,7 +116,8 @@ class BlockDrafter(nn.Module):
 
     def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput:
         """Training: the sequential and confidence heads are teacher-forced with the ground-truth previous tokens."""
-        hidden, aux = self.backbone(packed, ctx_features)
+        with real_blocks(self.moe_layers(), packed.keep):  # padding blocks move no expert balance
+            hidden, aux = self.backbone(packed, ctx_features)
         factor = conf = None
         if self.seq_head is not None:
             factor = self.seq_head(hidden, packed.prev_tokens)

@@ -24,7 +24,7 @@ from torch import nn
 
 from dstrain.data.packing import PackedBlocks
 from dstrain.models.contract import DraftOutput, Proposal, TargetSpec
-from dstrain.models.layers import MoE, BlockLayer, RMSNorm, attention_shape, make_ffn
+from dstrain.models.layers import MoE, BlockLayer, RMSNorm, attention_shape, make_ffn, real_blocks
 
 
 class ChainDrafter(nn.Module):
@@ -98,7 +98,8 @@ class ChainDrafter(nn.Module):
 
     def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput:
         """Training-time test with teacher forcing: step k+1 reads the ground-truth x_{a+k}."""
-        hidden, aux, load = self._unroll(packed, ctx_features, lambda k, _state: packed.prev_tokens[:, k + 1])
+        with real_blocks(self.moe_layers(), packed.keep):  # padding blocks move no expert balance
+            hidden, aux, load = self._unroll(packed, ctx_features, lambda k, _state: packed.prev_tokens[:, k + 1])
         return DraftOutput(hidden=hidden, seq_factor=None, confidence_logits=None, aux_loss=aux, expert_load=load)
 
     @torch.no_grad()

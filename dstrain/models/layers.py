@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,6 +67,31 @@ def grouped_dispatch(flat: torch.Tensor, picks: torch.Tensor, weights: torch.Ten
     return torch.zeros_like(flat).index_add_(0, rows, y), counts.float()
 
 
+def real_token_load(picks: torch.Tensor, counts: torch.Tensor, block_keep: torch.Tensor | None,
+                    num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(pairs routed per expert, each expert's share, per-row weights) over the real tokens only. The static
+    packing pads every sequence to anchors.per_sequence blocks (keep False): padding flows through the experts, to
+    keep shapes static, but must not move the balance or the load metrics. block_keep [N]: which blocks of a
+    block-major batch are real (a block's rows are consecutive rows of picks [rows, k]); None: every row is."""
+    if block_keep is None:
+        return counts, counts / max(picks.numel(), 1), None
+    w = block_keep.to(torch.float32).repeat_interleave(picks.shape[0] // block_keep.numel())
+    real = torch.zeros(num_experts, device=picks.device).scatter_add_(0, picks.flatten(), w.repeat_interleave(picks.shape[1]))
+    return real, real / (w.sum() * picks.shape[1]).clamp(min=1), w
+
+
+@contextmanager
+def real_blocks(moe_layers: list, keep: torch.Tensor | None):
+    """While a training forward runs, the MoE layers know which blocks are real (PackedBlocks.keep)."""
+    for m in moe_layers:
+        m.block_keep = keep
+    try:
+        yield
+    finally:
+        for m in moe_layers:
+            m.block_keep = None
+
+
 class MoE(nn.Module):
     """Top-k routed experts (+ optional shared expert). Balance by an auxiliary loss (Switch-style
     E·Σ f_e·P_e, f_e detached) or by DeepSeek-V3's aux-loss-free bias update: a non-trained routing bias, added to
@@ -93,6 +120,7 @@ class MoE(nn.Module):
         self.shared = SwiGLU(d, inter) if shared else None
         self.register_buffer("route_bias", torch.zeros(num_experts), persistent=True)
         self.last_load = torch.zeros(num_experts)
+        self.block_keep: torch.Tensor | None = None  # set by real_blocks() during a training forward
         # slots routed per expert by every training forward since take_load(): a step's load over all its
         # micro-batches (and, for the autoregressive drafters, all unrolled positions), not only the last forward's
         self.step_counts = torch.zeros(num_experts)
@@ -111,11 +139,12 @@ class MoE(nn.Module):
         out, counts = self._routed(flat, top, weights)
         if self.shared is not None:
             out = out + self.shared(flat)
-        load = counts / max(top.numel(), 1)
+        counts, load, w = real_token_load(top, counts, self.block_keep, self.num_experts)
         self.last_load = load.detach()
         if self.training:
             self.step_counts = self.step_counts.to(counts.device) + counts
-        aux = self.num_experts * (load.detach() * probs.mean(0)).sum() if self.balance == "aux_loss" else probs.new_zeros(())
+        mean_probs = probs.mean(0) if w is None else (probs * w[:, None]).sum(0) / w.sum().clamp(min=1)
+        aux = self.num_experts * (load.detach() * mean_probs).sum() if self.balance == "aux_loss" else probs.new_zeros(())
         return out.reshape(shape), aux
 
     def _routed(self, flat: torch.Tensor, top: torch.Tensor,

@@ -33,7 +33,7 @@ from torch import nn
 
 from dstrain.blocks.mhc import HyperConnection, unweighted_rms
 from dstrain.blocks.v4 import RMSNorm, Rope, clamped_swiglu, grouped_linear, rotate, route, softmax_with_sinks, unrotate
-from dstrain.models.layers import grouped_dispatch
+from dstrain.models.layers import grouped_dispatch, real_token_load
 
 HC_NAMES = {f"{site}_hc.{p}": f"hc_{site}_{p}" for site in ("attn", "ffn") for p in ("fn", "base", "scale")}
 
@@ -217,6 +217,7 @@ class V4DraftMoE(nn.Module):
         self.shared_experts = V4Expert(dims.hidden, dims.moe_inter, dims.swiglu_limit)
         self.last_load = torch.zeros(dims.experts)
         self.step_counts = torch.zeros(dims.experts)  # every training forward's since take_load(): a step's load
+        self.block_keep: torch.Tensor | None = None  # set by layers.real_blocks() during a training forward
 
     def take_load(self) -> torch.Tensor:
         counts, self.step_counts = self.step_counts, torch.zeros_like(self.step_counts)
@@ -234,7 +235,7 @@ class V4DraftMoE(nn.Module):
         logits = F.linear(flat.float(), self.gate.weight.float())  # fp32 gating, as DeepSeek's Gate
         weights, picks = route(logits, self.gate.bias, self.topk, self.routed_scale, self.scoring)
         out, counts = grouped_dispatch(flat, picks, weights.to(flat.dtype), self.experts.num_experts, self.experts)
-        self.last_load = counts / max(picks.numel(), 1)  # counts: fp32 whatever the model's dtype
+        counts, self.last_load, _ = real_token_load(picks, counts, self.block_keep, self.experts.num_experts)  # fp32
         if self.training:
             self.step_counts = self.step_counts.to(counts.device) + counts
         return (out + self.shared_experts(flat)).view_as(x)

@@ -41,6 +41,7 @@ from dstrain.blocks.mhc import HyperHead
 from dstrain.blocks.v4 import RMSNorm
 from dstrain.data.packing import PackedBlocks
 from dstrain.models.contract import DraftOutput, Proposal, TargetSpec
+from dstrain.models.layers import real_blocks
 from dstrain.models.v4_draft_layer import V4DraftDims, V4DraftLayer, V4DraftMoE, rename_on_load, rename_on_save
 
 HC_HEAD_NAMES = {f"hc_head.{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")}
@@ -186,7 +187,8 @@ class V4BlockDrafter(nn.Module):
 
     def forward(self, packed: PackedBlocks, ctx_features: torch.Tensor) -> DraftOutput:
         """Training: the Markov and confidence heads are teacher-forced with the ground-truth previous tokens."""
-        hidden, pre_norm = self.backbone(packed, ctx_features)
+        with real_blocks(self.moe_layers(), packed.keep):  # padding blocks move no expert balance
+            hidden, pre_norm = self.backbone(packed, ctx_features)
         factor = self.markov_head.markov_w1(packed.prev_tokens)
         conf = self.confidence_head(pre_norm, factor)
         load = torch.stack([m.last_load for m in self.moe_layers()])
