@@ -63,20 +63,23 @@ def packed_batch(seed: int = 3):
     return ids, packed, features
 
 
-def expected_schema(cfg: DeepseekV4Config) -> dict:
+def expected_schema(cfg: DeepseekV4Config, capture: list[int] | None = None, rank: int = RANK,
+                    layers: int = LAYERS) -> dict[str, tuple[int, ...]]:
+    """Every mtp.{i}.* name the engines read, with its shape: the fixture's formulas on this config."""
     schema = json.loads(FIXTURE.read_text())
-    keys = {**cfg.to_dict(), "dspark_target_layer_ids": list(range(CAPTURE)), "dspark_markov_rank": RANK}
+    capture = list(range(CAPTURE)) if capture is None else capture
+    keys = {**cfg.to_dict(), "dspark_target_layer_ids": capture, "dspark_markov_rank": rank}
 
     def shape(entry):
         return tuple(int(eval(f, {"__builtins__": {"len": len}}, keys)) for f in entry["shape"])
 
     want = {}
-    for i in range(LAYERS):
+    for i in range(layers):
         for name, entry in schema["layer_weights"].items():
             names = [name.format(e=e) for e in range(cfg.n_routed_experts)] if "{e}" in name else [name]
             want.update({f"mtp.{i}.{n}": shape(entry) for n in names})
     for name, entry in schema["drafter_weights"].items():
-        index = 0 if entry["on"].startswith("mtp.0") else LAYERS - 1  # the fixture's placement; heads: the last
+        index = 0 if entry["on"].startswith("mtp.0") else layers - 1  # the fixture's placement; heads: the last
         want[f"mtp.{index}.{name}"] = shape(entry)
     return want
 

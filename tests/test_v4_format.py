@@ -36,6 +36,7 @@ from dstrain.models.v4_drafter import V4BlockDrafter
 from dstrain.targets.checkpoint import FP4_LUT
 from dstrain.targets.configs import load_config
 from dstrain.targets.tiny_checkpoint import write_checkpoint
+from test_v4_drafter import expected_schema
 
 FIXTURE = Path(__file__).parent / "fixtures" / "engine_schema" / "deepseek_v4_dspark.json"
 LAYERS, RANK, NOISE, BLOCK = 3, 16, 127, 32
@@ -154,28 +155,11 @@ def test_quantised_round_trip_within_the_stated_error(hosts, tmp_path, host):
     assert [k for k, v in third.state_dict().items() if not torch.equal(v, got[k])] == []
 
 
-def expected_schema(cfg) -> dict[str, tuple[int, ...]]:
-    schema = json.loads(FIXTURE.read_text())
-    keys = {**cfg.to_dict(), "dspark_target_layer_ids": CAPTURE, "dspark_markov_rank": RANK}
-
-    def shape(entry):
-        return tuple(int(eval(f, {"__builtins__": {"len": len}}, keys)) for f in entry["shape"])
-
-    want = {}
-    for i in range(LAYERS):
-        for name, entry in schema["layer_weights"].items():
-            names = [name.format(e=e) for e in range(cfg.n_routed_experts)] if "{e}" in name else [name]
-            want.update({f"mtp.{i}.{n}": shape(entry) for n in names})
-    for name, entry in schema["drafter_weights"].items():
-        want[f"mtp.{0 if entry['on'].startswith('mtp.0') else LAYERS - 1}.{name}"] = shape(entry)
-    return want
-
-
 @pytest.mark.parametrize("host", ["bf16", "fp8", "fp4"])
 def test_export_names_shapes_and_scales_are_the_engine_schema(hosts, tmp_path, host):
     out, _ = v4_format.export(make_drafter(hosts[host]), hosts[host], tmp_path / "d", CAPTURE)
     stored = disk(out)
-    want = expected_schema(load_config(hosts[host]))
+    want = expected_schema(load_config(hosts[host]), CAPTURE, RANK, LAYERS)
     scales = {k.removesuffix(".scale") + ".weight": t for k, t in stored.items() if k.endswith(".scale")}
     weights = {k: t for k, t in stored.items() if not k.endswith(".scale")}
     assert sorted(set(weights) - set(want)) == [], "names the engines do not read"

@@ -90,6 +90,19 @@ def static_group(per_sequence: int, slots: int, bucket: int, window: int | None,
     return g
 
 
+def block_slots(anchor: torch.Tensor, seq_index: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor,
+                flat_ids: torch.Tensor, gamma: int, mask_token_id: int):
+    """(block_pos [N, γ], rows [N, γ]: the slots' flat rows, prev_tokens [N, γ]: the data token at each slot's
+    position, block_tokens [N, γ]: the anchor token then mask tokens). Slots past a sequence's end read its last row
+    (they carry no label)."""
+    block_pos = anchor[:, None] + torch.arange(gamma)[None, :]
+    rows = offsets[seq_index][:, None] + block_pos.clamp(max=lengths[seq_index][:, None] - 1)
+    prev_tokens = flat_ids[rows]
+    block_tokens = torch.full_like(prev_tokens, mask_token_id)
+    block_tokens[:, 0] = prev_tokens[:, 0]
+    return block_pos, rows, prev_tokens, block_tokens
+
+
 def pack_blocks(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], anchors: list[torch.Tensor], gamma: int,
                 mask_token_id: int, window: int | None = None, slots: int | None = None, per_sequence: int | None = None,
                 keep: list[torch.Tensor] | None = None, max_length: int | None = None) -> PackedBlocks:
@@ -107,13 +120,7 @@ def pack_blocks(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], a
     seq_index = torch.cat([torch.full((len(a),), i, dtype=torch.long) for i, a in enumerate(anchors)])
     anchor = torch.cat(anchors).long()
     labels = torch.cat([block_labels(x, m, a, gamma) for x, m, a in zip(input_ids, loss_masks, anchors)])
-    steps = torch.arange(gamma)
-    block_pos = anchor[:, None] + steps[None, :]
-    seq_len = lengths[seq_index][:, None]
-    rows = offsets[seq_index][:, None] + block_pos.clamp(max=seq_len - 1)
-    prev_tokens = flat_ids[rows]
-    block_tokens = torch.full_like(prev_tokens, mask_token_id)
-    block_tokens[:, 0] = prev_tokens[:, 0]
+    block_pos, rows, prev_tokens, block_tokens = block_slots(anchor, seq_index, lengths, offsets, flat_ids, gamma, mask_token_id)
     # context slots: Wk positions ending just before the anchor; slots before position 0 are empty
     max_anchor = int(anchor.max()) if len(anchor) else 0
     wk = max_anchor if window is None else min(window, max_anchor)
@@ -162,13 +169,7 @@ def _pack_static(input_ids, loss_masks, anchors, gamma, mask_token_id, window, s
         labels[i, : len(a)] = torch.where(real[:, None], block_labels(x, m, a.clamp(max=len(x) - 1), gamma), IGNORE)
     anchor, kept, labels = anchor.reshape(-1), kept.reshape(-1), labels.reshape(-1, gamma)
     seq_index = torch.arange(n_seq).repeat_interleave(k)
-    steps = torch.arange(gamma)
-    block_pos = anchor[:, None] + steps[None, :]
-    seq_len = lengths[seq_index][:, None]
-    rows = offsets[seq_index][:, None] + block_pos.clamp(max=seq_len - 1)
-    prev_tokens = flat_ids[rows]
-    block_tokens = torch.full_like(prev_tokens, mask_token_id)
-    block_tokens[:, 0] = prev_tokens[:, 0]
+    block_pos, rows, prev_tokens, block_tokens = block_slots(anchor, seq_index, lengths, offsets, flat_ids, gamma, mask_token_id)
     # key slots: the W (or, without a window, the bucket's) positions ending just before the anchor; a padding slot
     # sees none
     wk = bucket if window is None else min(window, bucket)

@@ -116,10 +116,7 @@ def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str |
     drafter_cfg, capture, state = read(cfg, load_file(str(weights)), folder)
     ours = cfg.get(formats.DSTRAIN_KEY) or {}
     if recipe_path is not None:
-        from dstrain.recipe import load_recipe
-
-        recipe = load_recipe(recipe_path).model_dump(mode="json")
-        target_cfg, seed = recipe["target"], recipe.get("run", {}).get("seed", 0)
+        target_cfg, seed = _recipe_target(recipe_path)
     elif "target" in ours:
         target_cfg, seed = ours["target"], ours.get("target_seed", 0)
         trained = target_cfg.get("capture_layers")
@@ -137,6 +134,14 @@ def _speculators_artifact(folder: Path, cfg: dict, name: str, recipe_path: str |
                            ours.get("trained_steps"), seed)
 
 
+def _recipe_target(recipe_path: str) -> tuple[dict, int]:
+    """--recipe: the target section and the run seed (random test targets are built from it) of the named recipe."""
+    from dstrain.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path).model_dump(mode="json")
+    return recipe["target"], recipe.get("run", {}).get("seed", 0)
+
+
 def _v4_artifact(folder: Path, cfg: dict, name: str, recipe_path: str | None, need_target: bool) -> DrafterArtifact:
     """A DeepSeek-V4-layout folder (decoding/v4_format.py): our --format deepseek-v4 export, or a checkpoint shipping
     a DSpark drafter in its mtp.* section. The target: the recipe's (--recipe), ours when we wrote it, else the
@@ -145,10 +150,7 @@ def _v4_artifact(folder: Path, cfg: dict, name: str, recipe_path: str | None, ne
 
     drafter_cfg, capture, state, ours = v4_format.read(folder, cfg)
     if recipe_path is not None:
-        from dstrain.recipe import load_recipe
-
-        recipe = load_recipe(recipe_path).model_dump(mode="json")
-        target_cfg, seed = recipe["target"], recipe.get("run", {}).get("seed", 0)
+        target_cfg, seed = _recipe_target(recipe_path)
     elif "target" in ours:
         target_cfg, seed = ours["target"], ours.get("target_seed", 0)
         trained = target_cfg.get("capture_layers")
