@@ -57,3 +57,19 @@ def test_profile_sps_writes_a_table_the_scheduler_reads(tmp_path):
     table, meta = load_table(tmp_path / "sps.json")
     assert len(table) == 13 and bool((table > 0).all()) and meta["target"] == "tiny-moe" and "CPU" in meta["device"]
     assert sorted(map(int, meta["measured"])) == [1, 2, 3, 4, 8, 12] and (tmp_path / "sps.png").is_file()
+
+
+def test_verification_timing_runs_on_a_deepseek_v4_target():
+    """DeepSeek-V4's transformers attention needs its own cache layers (a plain DynamicCache has no
+    store_compression_weights): the SPS profile builds them from the config and copies the context per repeat."""
+    import torch
+
+    from dstrain.serving.sps import prefill, time_step
+    from dstrain.targets.hf import random_model
+    from tiny_configs import TINY
+
+    model = random_model(TINY["deepseek_v4"], seed=0)
+    gen = torch.Generator().manual_seed(0)
+    base = prefill(model, 20, gen)
+    seconds = time_step(model, base, requests=2, tokens=3, context=20, repeats=2, generator=gen)
+    assert seconds > 0 and base.get_seq_length() > 0

@@ -30,26 +30,48 @@ def prefill(model, context: int, generator: torch.Generator):
     """One request's KV cache of `context` tokens; every measured batch starts from copies of it."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    model(input_ids=torch.randint(0, model.config.vocab_size, (1, context), generator=generator), cache=cache, use_cache=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=generator)
+    if model.config.model_type == "deepseek_v4":
+        # V4's caches are its own sliding, compressing layers (built from the config; a plain DynamicCache fails in
+        # its attention), whose compressor state batch_repeat_interleave does not copy: keep the context's tokens
+        # and prefill each measured batch from them
+        cache = DynamicCache(config=model.config)
+        cache.context_ids = ids
+    else:
+        cache = DynamicCache()
+    model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
+
+
+def _context(model, base_cache, requests: int):
+    """`requests` copies of the prefilled context, ready to verify against."""
+    import copy
+
+    from transformers import DynamicCache
+
+    ids = getattr(base_cache, "context_ids", None)
+    if ids is not None:
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids.expand(requests, -1), cache=cache, use_cache=True)
+        return cache
+    cache = copy.deepcopy(base_cache)
+    cache.batch_repeat_interleave(requests)
     return cache
 
 
 @torch.no_grad()
 def time_step(model, base_cache, requests: int, tokens: int, context: int, repeats: int, generator: torch.Generator) -> float:
     """Median seconds of one forward of [requests, tokens] new tokens against `requests` copies of the context."""
-    import copy
-
-    cache = copy.deepcopy(base_cache)
-    cache.batch_repeat_interleave(requests)
     new = torch.randint(0, model.config.vocab_size, (requests, tokens), generator=generator)
     positions = context + torch.arange(tokens)[None, :].expand(requests, -1)
     times = []
     for _ in range(repeats + 1):
+        # a fresh copy of the context each repeat, outside the timing (cache.crop cannot undo a sliding or
+        # compressing cache's step)
+        cache = _context(model, base_cache, requests)
         t0 = time.perf_counter()
         model(input_ids=new, cache=cache, position_ids=positions, use_cache=True)
         times.append(time.perf_counter() - t0)
-        cache.crop(-tokens)  # back to the context for the next repeat
     return sorted(times[1:])[len(times[1:]) // 2]  # median, first call discarded (warm-up)
 
 
