@@ -9,6 +9,15 @@ from dstrain.data.packing import pack_blocks
 from dstrain.models.attention import KeyGroups, _rounded, block_attention
 
 
+def attention_leaves(blocks: int, gamma: int, total: int, h: int, hkv: int, d: int) -> tuple[torch.Tensor, ...]:
+    """fp64 leaves of one packed attention call: block queries, block keys/values, every row's context keys/values."""
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+    k_all, v_all = leaf(total, hkv, d), leaf(total, hkv, d)
+    return leaf(blocks, gamma, h, d), leaf(blocks, gamma, hkv, d), leaf(blocks, gamma, hkv, d), k_all, v_all
+
+
 def test_candidates_labels_and_sampler():
     ids = torch.arange(100, 112)
     mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 0, 1])
@@ -82,11 +91,7 @@ def test_packed_attention_equals_dense_reference(window, lengths, grouped, per_s
     keys = KeyGroups.build(p.key_index, gamma, min_saving=0.0) if grouped else p.key_index
     assert keys is not None
     total = sum(lengths)
-    k_all = torch.randn(total, hkv, d, dtype=torch.float64, requires_grad=True)
-    v_all = torch.randn(total, hkv, d, dtype=torch.float64, requires_grad=True)
-    q = torch.randn(p.num_blocks, gamma, h, d, dtype=torch.float64, requires_grad=True)
-    k_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64, requires_grad=True)
-    v_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64, requires_grad=True)
+    q, k_blk, v_blk, k_all, v_all = attention_leaves(p.num_blocks, gamma, total, h, hkv, d)
     leaves = {"q": q, "k_blk": k_blk, "v_blk": v_blk, "k_ctx": k_all, "v_ctx": v_all}
     packed = block_attention(q, k_blk, v_blk, k_all[p.ctx_rows], v_all[p.ctx_rows], keys)
     ref = dense_reference(q, k_blk, v_blk, k_all, v_all, p, window, lengths)
@@ -177,11 +182,7 @@ def test_static_packed_attention_equals_dense_reference(window, lengths, per_seq
     assert pad.any() == (min(lengths) - 1 < per_seq)  # the 5-token sequence has 4 candidates
     assert torch.all(p.labels[pad] == IGNORE) and torch.all(p.key_index[pad] == -1) and not p.valid[pad].any()
     total = sum(lengths)
-    k_all = torch.randn(total, hkv, d, dtype=torch.float64, requires_grad=True)
-    v_all = torch.randn(total, hkv, d, dtype=torch.float64, requires_grad=True)
-    q = torch.randn(p.num_blocks, gamma, h, d, dtype=torch.float64, requires_grad=True)
-    k_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64, requires_grad=True)
-    v_blk = torch.randn(p.num_blocks, gamma, hkv, d, dtype=torch.float64, requires_grad=True)
+    q, k_blk, v_blk, k_all, v_all = attention_leaves(p.num_blocks, gamma, total, h, hkv, d)
     leaves = [q, k_blk, v_blk, k_all, v_all]
     packed = block_attention(q, k_blk, v_blk, k_all[p.ctx_rows], v_all[p.ctx_rows], p.key_groups)
     per_block = block_attention(q, k_blk, v_blk, k_all[p.ctx_rows], v_all[p.ctx_rows], p.key_index)
