@@ -165,6 +165,13 @@ def _gib(x: float) -> str:
     return f"{x:.2f} GiB" if x >= 1 else f"{x * 1024:.1f} MiB"
 
 
+def compile_line(r: Recipe) -> str:
+    c = r.train.compile
+    if c == "auto":
+        return ("compiled on CUDA, eager on the CPU (train.compile=auto; run.device=" + r.run.device + ")")
+    return "compiled (train.compile=loss)" if c == "loss" else "eager (train.compile=off)"
+
+
 def format_plan(plan: Plan, recipe_path: str) -> str:
     r, s = plan.recipe, plan.sizes
     w, t, ds, dr = r.world, r.world.target, r.deepspeed, r.drafter
@@ -209,6 +216,7 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     add(f"  data     shards={r.data.shards} max_length={r.data.max_length} anchors/seq={r.anchors.per_sequence} shuffle={r.data.shuffle}")
     add(f"  train    {r.train.steps} steps x micro-batch {r.train.micro_batch_size} x accum {r.train.grad_accum}; lr {r.train.lr:g}"
         f" (warmup {r.train.warmup_steps}, cosine to {r.train.min_lr:g}); clip {r.train.clip_grad}; ckpt every {r.train.checkpoint_every} keep {r.train.keep_checkpoints}")
+    add(f"           vocabulary pass: {compile_line(r)}")
     e = r.eval
     if e.every:
         src = f"held-out split of {e.corpus or 'corpus/smollm2_moe'}" if e.prompts == "held_out" else e.prompts

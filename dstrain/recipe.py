@@ -243,6 +243,11 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="steps between logged metric lines (metrics.jsonl, wandb)")
     checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept (checkpoints/best is kept apart)")
+    compile: Literal["auto", "off", "loss"] = Field("auto", description="torch.compile on the training path: loss = the "
+                                                    "vocabulary pass as one compiled kernel per chunk (at most 7 [rows x V] "
+                                                    "reads and writes a step instead of about 30; compiling takes tens of "
+                                                    "seconds per run), off = eager; auto = loss on CUDA, off on the CPU, "
+                                                    "where short runs do not earn the compile back")
     target_cache_mb: int = Field(0, ge=0, description="colocated: keep per-sample target features (frozen target) up to this size")
     feature_cache_dir: str | None = Field(None, description="colocated: an on-disk cache of target features, keyed by the target's "
                                           "fingerprint, capture layers, dtype and each sample's token ids, reused across epochs, "

@@ -31,7 +31,8 @@ def inputs(n=12, d=16, vocab=300, r=8, dtype=torch.float64, seed=0):
 @pytest.mark.parametrize("rows", [1, 5, 1000])
 @pytest.mark.parametrize("shared_targets", [False, True])
 @pytest.mark.parametrize("planned", [False, True])  # which rows each chunk shares: found on the host while packing
-def test_fused_equals_naive_values_and_grads(markov, rows, shared_targets, planned):
+@pytest.mark.parametrize("fused", [False, True])  # train.compile: loss (vocab_fused.py), compiled once for every case
+def test_fused_equals_naive_values_and_grads(markov, rows, shared_targets, planned, fused):
     h_d, h_t, weight, labels, a, w2 = inputs()
     extra = (a, w2) if markov else (None, None)
     g = torch.Generator().manual_seed(1)
@@ -48,7 +49,7 @@ def test_fused_equals_naive_values_and_grads(markov, rows, shared_targets, plann
         chunks = vocab_chunks(flat, flat, rows)
         assert chunks.rows == rows and any(c is not None for c in chunks.target) == (shared_targets and rows > 1)
     total, ce, tv = vocab_loss(h_d, table, weight, labels, c_ce, c_tv, *extra, target_index=index, markov_index=index,
-                               rows_per_chunk=None if planned else rows, chunks=chunks)
+                               rows_per_chunk=None if planned else rows, chunks=chunks, fused=fused)
     ref_extra = (extra[0][index], w2) if markov and shared_targets else extra
     ce_ref, tv_ref = naive(h_d, table[index] if shared_targets else h_t, weight, labels, *ref_extra)
     torch.testing.assert_close(ce, ce_ref.detach(), atol=1e-10, rtol=0)
@@ -91,3 +92,24 @@ def test_loss_sums_weights_and_detached_soft_label():
     torch.testing.assert_close(out["conf"], (w * bce).sum())
     out["conf"].backward()
     assert tv.grad is None  # the soft label is detached: the confidence loss never moves the draft distribution
+
+
+def test_the_fused_pass_runs_eagerly_where_compiling_fails(monkeypatch):
+    """train.compile=loss on a machine whose compiler fails: one warning, then the same math eagerly."""
+    from dstrain.train import vocab_fused
+
+    def broken(fn, **kw):
+        def run(*a, **k):
+            raise RuntimeError("no C++ compiler\nsecond line")
+        return run
+
+    monkeypatch.setattr(vocab_fused, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    h_d, h_t, weight, labels, a, w2 = inputs()
+    ones = torch.ones(len(labels), dtype=h_d.dtype)
+    with pytest.warns(UserWarning, match="torch.compile failed .RuntimeError: no C.. compiler.; the vocabulary pass runs eagerly"):
+        total, ce, tv = vocab_loss(h_d, h_t, weight, labels, ones, ones, a, w2, rows_per_chunk=5, fused=True)
+    assert vocab_fused._COMPILED == {True: vocab_fused.row_pass}
+    ref = vocab_loss(h_d, h_t, weight, labels, ones, ones, a, w2, rows_per_chunk=5)
+    for x, y in zip((total, ce, tv), ref):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=0)

@@ -1,6 +1,7 @@
 """tools/bench_train.py --count: what one training step asks of a GPU, counted on the CPU (issue 23, item 5).
 
-Per grid point and path (packed: our step, bench_train.packed_step; deepspec: tools/bench_train_refs.py), one step
+Per grid point and path (packed: our step, bench_train.packed_step; fused: the same with the compiled vocabulary
+pass, compiled by an uncounted step first; deepspec: tools/bench_train_refs.py), one step
 (drafter forward, the losses, backward; not the bench's final loss.item() readout) runs under
 dstrain.train.step_counters.StepCounter, in its own process so its peak RSS is its own, then once more with a second
 anchor draw for the shape signature. Columns:
@@ -9,7 +10,8 @@ anchor draw for the shape signature. Columns:
   host         aten ops on host-born tensors inside the step (CPU work between launches)
   syncs        scalar reads / data-dependent shapes (nonzero, unique, boolean masks, ...) / blocking copies
   Vx           [rows x V] traffic: bytes read + written by kernels on tensors whose last dimension is V, over an fp32
-               [rows x V] tensor, rows = the step's supervised positions
+               [rows x V] tensor, rows = the step's supervised positions (the fused path's compiled kernel counts
+               each operand once: it keeps a row in cache across its passes)
   pairs        (query, key) scores computed by the attention calls over the pairs the masks need, all layers, per head
   MB           peak RSS during the second draw's step above the RSS before it (the first step in the process
                carries one-time allocations; the peak is reset first through /proc/self/clear_refs, where that is
@@ -26,7 +28,7 @@ import sys
 
 import torch
 
-COUNT_PATHS = ("packed", "deepspec")
+COUNT_PATHS = ("packed", "fused", "deepspec")
 
 
 def _reset_peak() -> bool:
@@ -56,8 +58,12 @@ def count_point(args, path: str, context: int, window, anchors: int) -> dict:
     loss_cfg, row, signatures = LossConfig(), None, []
     for draw in (0, 1):
         drafter, lm_head, packed, captured, final = setup(args, context, window, anchors, draw=draw)
-        if path == "packed":
-            run = lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg, read=False)  # noqa: E731
+        if path in ("packed", "fused"):
+            run = lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg, read=False,  # noqa: E731
+                                      fused=path == "fused")
+            if path == "fused" and draw == 0:  # compile outside the counter (the count is of a compiled step)
+                run()
+                drafter.zero_grad()
         else:
             run = lambda: reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context, window,  # noqa: E731
                                          full_sequence=False, read=False)
@@ -114,7 +120,7 @@ def print_counts(rows: list[dict]) -> None:
         print(f"{path}: kernels {lo}-{hi} (flat within ±5 %: {'yes' if hi <= lo * 1.05 / 0.95 else 'no'}), "
               f"syncs {min(r['syncs'] for r in mine)}-{max(r['syncs'] for r in mine)}, "
               f"[rows x V] {min(r['vocab_fp32_equiv'] for r in mine):.1f}-{max(r['vocab_fp32_equiv'] for r in mine):.1f}")
-    worst = max((r for r in rows if r["path"] == "packed"), key=lambda r: r["syncs"], default=None)
+    worst = max((r for r in rows if r["path"] in ("packed", "fused")), key=lambda r: r["syncs"], default=None)
     if worst:
         print(f"top sync sites (packed, {worst['anchors']} anchors, window {worst['window'] or 'none'}, {worst['context']} tokens):")
         for s in worst["sync_sites"][:12]:

@@ -8,6 +8,9 @@ weights, sequences, anchors and target features (every path computes the same lo
             [N x V]@[V x d] — timed in the packed step's process, at its N, dtype and device;
   packed    ours: the trainer's static anchor-bounded packing (fixed anchor slots per sequence), one attention call
             per layer over BlockGroups (models/attention.py), the fused row-chunked vocabulary loss (dstrain/train/losses.py);
+  fused     the same step with `train.compile: loss`: the vocabulary pass as one torch.compile'd kernel per chunk and
+            the Markov bias folded into the draft GEMM (dstrain/train/vocab_fused.py); its compile time (the first,
+            untimed call) is printed apart;
   deepspec  what the public DeepSpec DSpark trainer does (tools/bench_train_refs.py): context keys projected
             once per sequence and shared, a dense mask per sequence, target logits only at supervised positions,
             full-vocabulary fp32 softmaxes;
@@ -47,7 +50,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SIZES = {"smollm2": dict(hidden=576, vocab=49152, heads=9, kv_heads=3),
          "v4flash": dict(hidden=4096, vocab=129280, heads=32, kv_heads=8),
          "tiny": dict(hidden=64, vocab=512, heads=4, kv_heads=2)}  # dry runs of the tool itself
-PATHS = ("packed", "deepspec", "fullseq")
+PATHS = ("packed", "fused", "deepspec", "fullseq")
 
 
 def rss_mb() -> float:
@@ -101,10 +104,10 @@ def setup(args, context: int, window: int | None, anchors: int, draw: int = 0):
     return drafter, lm_head, packed.to(device), captured, final
 
 
-def packed_step(drafter, lm_head, packed, captured, final, loss_cfg, read: bool = True):
+def packed_step(drafter, lm_head, packed, captured, final, loss_cfg, read: bool = True, fused: bool = False):
     from dstrain.train.step import TargetFeatures, draft_losses
 
-    sums, _, out = draft_losses(drafter, lm_head, packed, TargetFeatures(captured, final), loss_cfg)
+    sums, _, out = draft_losses(drafter, lm_head, packed, TargetFeatures(captured, final), loss_cfg, fused=fused)
     loss = sums["total"] / sums["weight"]
     loss.backward()
     return loss.item() if read else loss
@@ -153,6 +156,21 @@ def floor_measure(lm_head, positions: int, repeats: int) -> dict:
             "tflops": 6 * n * d * vocab / dt / 1e12}
 
 
+def sync_debug_steps(run, steps: int) -> str:
+    """`steps` steps under torch.cuda.set_sync_debug_mode("error"): CUDA raises at the first operation that makes the
+    host wait for the device (no loss read: packed_step(read=False))."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            run()
+        return f"silent through {steps} steps"
+    except RuntimeError as exc:
+        return f"error: {str(exc).splitlines()[0][:200]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def measure(args, path: str, context: int, window: int | None, anchors: int) -> dict:
     """One (path, anchors, window, context) measurement; the packed path also times the floor at its N."""
     from bench_train_refs import reference_step
@@ -164,17 +182,24 @@ def measure(args, path: str, context: int, window: int | None, anchors: int) -> 
         torch.set_num_threads(args.threads)
     drafter, lm_head, packed, captured, final = setup(args, context, window, anchors)
     loss_cfg = LossConfig()
-    if path == "packed":
-        run = lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg)  # noqa: E731
+    if path in ("packed", "fused"):
+        run = lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg, fused=path == "fused")  # noqa: E731
     else:
         run = lambda: reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context, window,  # noqa: E731
                                      full_sequence=path == "fullseq")
-    loss = run()  # every path must compute the same loss; this call is also the warm-up
+    run_quiet = (lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg, read=False,  # noqa: E731
+                                     fused=path == "fused")) if path in ("packed", "fused") else run
+    t0 = time.perf_counter()
+    loss = run()  # every path must compute the same loss; this call is also the warm-up (and the fused path's compile)
+    first_call = time.perf_counter() - t0
     drafter.zero_grad()
     dt, peak = timed(run, args.repeats, device, drafter.zero_grad, warmup=False)
     positions = int(packed.valid.sum())
     row = {"path": path, "context": context, "window": window, "anchors": anchors, "seconds": dt,
-           "positions_per_s": positions / dt, "peak_step_mb": peak, "positions": positions, "loss": loss}
+           "positions_per_s": positions / dt, "peak_step_mb": peak, "positions": positions, "loss": loss,
+           "first_call_s": first_call}
+    if args.sync_debug and device.type == "cuda":  # issue 23: no host sync inside the step, checked by CUDA itself
+        row["sync_debug"] = sync_debug_steps(run_quiet, 10)
     if path == "packed":
         row["loss_gemms"] = ("bf16 operands, fp32 output" if device.type == "cuda" and args.dtype == "bf16"
                              and losses._MM_OUT_FP32["ok"] else "fp32")
@@ -312,7 +337,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="512,2048,8192", help="sequence lengths (default %(default)s)")
     ap.add_argument("--anchors", default="64", help="anchors per sequence, comma-separated (default %(default)s; the peers use 512)")
     ap.add_argument("--window", default="128,none", help="sliding windows, comma-separated; 'none' = the whole context before the anchor")
-    ap.add_argument("--paths", help=f"which steps to measure (default {','.join(PATHS)}; with --count packed,deepspec)")
+    ap.add_argument("--paths", help=f"which steps to measure (default {','.join(PATHS)}; with --count packed,fused,deepspec)")
     ap.add_argument("--sizes", choices=list(SIZES), default="smollm2", help="target d and V: SmolLM2 (576, 49152), V4-Flash (4096, 129280), or tiny (64, 512) to try the tool")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rank", type=int, default=256, help="Markov head rank")
@@ -325,6 +350,8 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table (and the settings) as JSON here")
     ap.add_argument("--profile", action="store_true", help="profile one packed step at the first grid point instead")
     ap.add_argument("--in-process", action="store_true", help="measure in this process (always so with --device cuda)")
+    ap.add_argument("--sync-debug", action="store_true", help="on CUDA, also run 10 steps of each path under "
+                    "torch.cuda.set_sync_debug_mode('error') and report whether any operation synchronised")
     ap.add_argument("--count", action="store_true", help="count one step's device ops, host syncs, [rows x V] traffic, "
                     "attention pairs, peak memory and static shapes instead of timing it (tools/bench_counts.py)")
     ap.add_argument("--path", choices=PATHS, help=argparse.SUPPRESS)
@@ -333,7 +360,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"bench_train: --device cuda but torch {torch.__version__} sees no CUDA device; use --device cpu", file=sys.stderr)
         return 2
-    paths = [p for p in (args.paths or ("packed,deepspec" if args.count else ",".join(PATHS))).split(",") if p]
+    paths = [p for p in (args.paths or (",".join(bench_counts.COUNT_PATHS) if args.count else ",".join(PATHS))).split(",") if p]
     if unknown := [p for p in paths if p not in PATHS]:
         print(f"bench_train: --paths {','.join(unknown)}: choose from {','.join(PATHS)}", file=sys.stderr)
         return 2

@@ -12,8 +12,9 @@
 #   parity    the same recipe and seed in fp32 on the CPU and on the GPU: per-step losses; the GPU run's
 #             checkpoint resumed on the CPU and exported with CUDA hidden (checkpoints load without a GPU)
 #   bench_smollm2 / bench_v4flash   tools/bench_train.py --device cuda --dtype bf16 at d 576, V 49152 and at
-#             d 4096, V 129280: floor, packed and DeepSpec-style steps, contexts 512/2048/8192, window 128 and none,
-#             2 x 512 anchors; then a profile of one packed step (its top operators print into the stage's log)
+#             d 4096, V 129280: floor, packed, fused (train.compile=loss) and DeepSpec-style steps, contexts
+#             512/2048/8192, window 128 and none, 2 x 512 anchors, 10 steps each under set_sync_debug_mode("error")
+#             (window 128); then a profile of one packed step (its top operators print into the stage's log)
 #   collect   one results.json (versions, summaries, metrics, parity, bench tables)
 #   table     (opt-in: STAGES="setup table") tools/reproduce_table.py --device cuda, training and evaluation on the
 #             GPU (--quick on the CPU in --cpu-dry); its results.md and results.json come back. Its setup needs the
@@ -179,9 +180,9 @@ bench() {  # name, then sizes
     # window and no window in separate runs: a stage that times out loses only the rows of the run in progress.
     # bf16 on CUDA: the loss GEMMs run on bf16 operands with fp32 output; the floor is the bf16 GEMM floor
     $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 512,2048,8192 --window 128 --anchors 512 \
-      --batch 2 --repeats 3 --paths packed,deepspec --out "$WORK/$name.json"
+      --batch 2 --repeats 3 --paths packed,fused,deepspec --sync-debug --out "$WORK/$name.json"
     $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 512,2048,8192 --window none --anchors 512 \
-      --batch 2 --repeats 3 --paths packed,deepspec --out "$WORK/${name}_nowindow.json"
+      --batch 2 --repeats 3 --paths packed,fused,deepspec --out "$WORK/${name}_nowindow.json"
     $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 2048 --window 128 --anchors 512 --batch 2 --profile \
       > "$WORK/${name}_profile.txt" 2>&1 && tail -30 "$WORK/${name}_profile.txt"
   fi

@@ -188,7 +188,7 @@ def _chunk_table(plan, i: int, index: torch.Tensor):
 class _FusedVocabLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_draft, markov_a, markov_w2, markov_index, target_hidden, target_index, lm_weight, labels, coef_ce,
-                coef_tv, rows, chunks):
+                coef_tv, rows, chunks, fused):
         lowp = _lowp_gemms(h_draft, target_hidden, markov_a, markov_w2, lm_weight)
         if lowp:  # GEMM operands as they are; per-row math in fp32
             g_d, g_t, g_a, w, w2 = h_draft, target_hidden, markov_a, lm_weight, markov_w2
@@ -198,6 +198,13 @@ class _FusedVocabLoss(torch.autograd.Function):
             dtype = g_d.dtype
         n, dev = h_draft.shape[0], h_draft.device
         want = ctx.needs_input_grad[:3]
+        if fused:  # train.compile: loss — the compiled pass (vocab_fused.py)
+            from dstrain.train.vocab_fused import fused_forward
+
+            table = lambda i, index: _chunk_table(chunks and chunks.target, i, index)  # noqa: E731
+            grads, ce, tv = fused_forward(g_d, g_a, w, w2, markov_index, g_t, target_index, labels, coef_ce, coef_tv,
+                                          rows, table, want, lowp)
+            return _FusedVocabLoss._finish(ctx, grads, ce, tv, coef_ce, coef_tv, h_draft, markov_a, markov_w2)
         grad_h = torch.empty(n, h_draft.shape[1], device=dev, dtype=dtype) if want[0] else None
         grad_a = torch.zeros(markov_a.shape, device=dev, dtype=dtype) if want[1] else None
         grad_w2 = None
@@ -255,15 +262,19 @@ class _FusedVocabLoss(torch.autograd.Function):
                 if want[2]:
                     part = _gemm(g_a[a_rows].T, g_op, lowp)
                     grad_w2 = part if grad_w2 is None else grad_w2.add_(part)
-        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_h, grad_a, grad_w2)))
-        ctx.like = [t.dtype if t is not None else None for t in (h_draft, markov_a, markov_w2)]
+        return _FusedVocabLoss._finish(ctx, (grad_h, grad_a, grad_w2), ce, tv, c_ce, c_tv, h_draft, markov_a, markov_w2)
+
+    @staticmethod
+    def _finish(ctx, grads, ce, tv, c_ce, c_tv, *inputs):
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads))
+        ctx.like = [t.dtype if t is not None else None for t in inputs]
         ctx.mark_non_differentiable(ce, tv)
-        total = (c_ce * ce).sum() + (c_tv * tv).sum()
+        total = (c_ce.to(ce.dtype) * ce).sum() + (c_tv.to(ce.dtype) * tv).sum()
         return total, ce, tv
 
     @staticmethod
     def backward(ctx, g_total, _g_ce, _g_tv):
-        out = [None] * 12
+        out = [None] * 13
         for i, (grad, like) in enumerate(zip(ctx.saved_tensors, ctx.like)):
             if ctx.needs_input_grad[i] and g_total is not None:
                 out[i] = grad.mul_(g_total).to(like)  # forward's gradient is ours alone: scale it in place
@@ -274,7 +285,7 @@ def vocab_loss(h_draft: torch.Tensor, target_hidden: torch.Tensor, lm_weight: to
                coef_ce: torch.Tensor, coef_tv: torch.Tensor, markov_a: torch.Tensor | None = None,
                markov_w2: torch.Tensor | None = None, target_index: torch.Tensor | None = None,
                markov_index: torch.Tensor | None = None, rows_per_chunk: int | None = None, budget_mb: float | None = None,
-               chunks: VocabChunks | None = None):
+               chunks: VocabChunks | None = None, fused: bool = False):
     """(Σ c_ce·CE + c_tv·‖p_d − p_t‖₁, CE [N], TV [N]): the sum differentiable with respect to h_draft, markov_a and
     markov_w2; CE (0 where labels == IGNORE) and TV per position, detached (metrics, the confidence label).
 
@@ -283,6 +294,7 @@ def vocab_loss(h_draft: torch.Tensor, target_hidden: torch.Tensor, lm_weight: to
     (or W₂) once. rows_per_chunk=None picks it from a memory budget (budget_mb=None: 96 MB on the CPU, an eighth of
     the free memory on a GPU), at least 256 rows so each chunk's GEMMs are worth streaming the LM head for.
     chunks: the host's plan of which rows each chunk shares (vocab_chunks; its row count wins), else found here.
+    fused: the compiled vocabulary pass (vocab_fused.py: ≤ 7 [rows × V] reads and writes instead of about 30).
     """
     if (markov_a is None) != (markov_w2 is None):
         raise ValueError("markov_a and markov_w2 go together")
@@ -295,7 +307,8 @@ def vocab_loss(h_draft: torch.Tensor, target_hidden: torch.Tensor, lm_weight: to
     elif rows_per_chunk is None:
         rows_per_chunk = default_chunk_rows(n, vocab, h_draft.device, budget_mb)
     return _FusedVocabLoss.apply(h_draft, markov_a, markov_w2, markov_index, target_hidden.detach(), target_index,
-                                 lm_weight.detach(), labels, coef_ce.detach(), coef_tv.detach(), max(1, rows_per_chunk), chunks)
+                                 lm_weight.detach(), labels, coef_ce.detach(), coef_tv.detach(), max(1, rows_per_chunk), chunks,
+                                 fused)
 
 
 def _free_cuda_mb(device) -> float:

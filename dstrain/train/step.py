@@ -114,9 +114,9 @@ class DraftStep(torch.nn.Module):
     gathered while a module that owns (or registered) it runs, and the loss reads the Markov head's W2
     outside the drafter's own forward."""
 
-    def __init__(self, drafter: torch.nn.Module, zero3: bool = False):
+    def __init__(self, drafter: torch.nn.Module, zero3: bool = False, fused_loss: bool = False):
         super().__init__()
-        self.drafter = drafter
+        self.drafter, self.fused_loss = drafter, fused_loss
         w2 = drafter.seq_w2
         if zero3 and w2 is not None:
             import deepspeed
@@ -125,7 +125,7 @@ class DraftStep(torch.nn.Module):
             deepspeed.zero.register_external_parameter(self, w2 if isinstance(w2, torch.nn.Parameter) else w2._base)
 
     def forward(self, packed: PackedBlocks, feats: TargetFeatures, lm_head: torch.nn.Linear, loss_cfg):
-        return draft_losses(self.drafter, lm_head, packed, feats, loss_cfg)
+        return draft_losses(self.drafter, lm_head, packed, feats, loss_cfg, fused=self.fused_loss)
 
 
 def pack_step(recipe, samples: list[Sample], step: int, vocab: int | None = None, device="cpu") -> PackedBlocks:
@@ -138,8 +138,9 @@ def pack_step(recipe, samples: list[Sample], step: int, vocab: int | None = None
 
 
 def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats: TargetFeatures, loss_cfg,
-                 rows_per_chunk: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
-    """Position-weighted loss sums (see losses.drafter_loss_sums), the per-position TV [N, γ], and the DraftOutput."""
+                 rows_per_chunk: int | None = None, fused: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
+    """Position-weighted loss sums (see losses.drafter_loss_sums), the per-position TV [N, γ], and the DraftOutput.
+    fused: the compiled vocabulary pass (train.compile, losses.vocab_loss)."""
     out = drafter(packed, feats.captured[packed.ctx_rows])
     n, gamma, d = out.hidden.shape
     factor = markov_index = None
@@ -161,7 +162,7 @@ def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats:
     total, ce, tv = vocab_loss(out.hidden.reshape(-1, d), feats.final_hidden, lm_head.weight, packed.labels.reshape(-1),
                                loss_cfg.alpha_ce * w, loss_cfg.alpha_tv * w, factor, drafter.seq_w2 if factor is not None else None,
                                target_index=packed.final_rows.reshape(-1), markov_index=markov_index,
-                               rows_per_chunk=rows_per_chunk, chunks=chunks)
+                               rows_per_chunk=rows_per_chunk, chunks=chunks, fused=fused)
     ce, tv = ce.view(n, gamma), tv.view(n, gamma)
     sums = drafter_loss_sums(ce, tv, out.confidence_logits, packed.valid, loss_cfg.gamma_decay,
                              loss_cfg.alpha_ce, loss_cfg.alpha_tv, loss_cfg.alpha_conf, vocab_total=total)

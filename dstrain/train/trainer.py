@@ -97,11 +97,12 @@ class Trainer:
                                  {"params": no_decay, "weight_decay": 0.0}], lr=recipe.train.lr, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.train))
         self.ckpt_dir = self.load_dir = run_dir / "checkpoints"
+        self.fused_loss = recipe.train.compile == "loss" or (recipe.train.compile == "auto" and self.device.type == "cuda")
         self.resume_tag = self._shared_resume_tag(verified_tag)
         universal = self._saved_world_differs()
         if universal:
             self.load_dir = self._universal_copy()
-        self.engine, _, _, self.scheduler = deepspeed.initialize(model=DraftStep(drafter, recipe.deepspeed.zero_stage == 3), optimizer=opt, lr_scheduler=sched, mpu=world.mpu,
+        self.engine, _, _, self.scheduler = deepspeed.initialize(model=DraftStep(drafter, recipe.deepspeed.zero_stage == 3, self.fused_loss), optimizer=opt, lr_scheduler=sched, mpu=world.mpu,
                                                                  config=deepspeed_config(recipe, universal), dist_init_required=False)
         self.drafter = drafter
         self.clock = self._step_clock(recipe, frozen, drafter)
@@ -367,6 +368,9 @@ class Trainer:
         finally:
             monitor.close()
         summary = {"steps": self.step, "resumed_from": self.resumed_from, "preempted_at": self.preempted_at, "wandb_mode": monitor.wandb_mode, "first": None, "last": None}
+        if self.fused_loss:
+            from dstrain.train.vocab_fused import mode
+        summary["vocab_pass"] = mode() if self.fused_loss else "eager"  # train.compile as it ran
         if self.live_eval is not None:
             summary["eval"] = self.live_eval.summary()
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start
