@@ -169,7 +169,8 @@ def compile_line(r: Recipe) -> str:
     c = r.train.compile
     if c == "auto":
         return ("compiled on CUDA, eager on the CPU (train.compile=auto; run.device=" + r.run.device + ")")
-    return "compiled (train.compile=loss)" if c == "loss" else "eager (train.compile=off)"
+    return {"loss": "compiled (train.compile=loss)", "step": "compiled, and the drafter's forward and backward too "
+            "(train.compile=step)"}.get(c, "eager (train.compile=off)")
 
 
 def format_plan(plan: Plan, recipe_path: str) -> str:

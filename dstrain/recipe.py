@@ -243,11 +243,11 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="steps between logged metric lines (metrics.jsonl, wandb)")
     checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept (checkpoints/best is kept apart)")
-    compile: Literal["auto", "off", "loss"] = Field("auto", description="torch.compile on the training path: loss = the "
-                                                    "vocabulary pass as one compiled kernel per chunk (at most 7 [rows x V] "
-                                                    "reads and writes a step instead of about 30; compiling takes tens of "
-                                                    "seconds per run), off = eager; auto = loss on CUDA, off on the CPU, "
-                                                    "where short runs do not earn the compile back")
+    compile: Literal["auto", "off", "loss", "step"] = Field(
+        "auto", description="torch.compile on the training path: loss = the vocabulary pass as one compiled kernel per "
+        "chunk (at most 7 [rows x V] reads and writes a step instead of about 30); step = that and the drafter's forward "
+        "and backward compiled too (no graph break at static shapes; minutes to compile on a CPU); off = eager; auto = "
+        "loss on CUDA, off on the CPU, where short runs do not earn the compile back")
     target_cache_mb: int = Field(0, ge=0, description="colocated: keep per-sample target features (frozen target) up to this size")
     feature_cache_dir: str | None = Field(None, description="colocated: an on-disk cache of target features, keyed by the target's "
                                           "fingerprint, capture layers, dtype and each sample's token ids, reused across epochs, "
@@ -315,6 +315,9 @@ class Recipe(Section):
         if self.eval.every and self.deepspeed.zero_stage == 3:
             raise ValueError("eval.every reads the drafter's whole weights; ZeRO-3 partitions them: set eval.every=0 or"
                              " deepspeed.zero_stage<=2")
+        if self.train.compile == "step" and self.deepspeed.zero_stage == 3:
+            raise ValueError("train.compile=step compiles the drafter module; ZeRO-3 gathers its weights with hooks the "
+                             "compiled graph does not run: set train.compile=loss or deepspeed.zero_stage<=2")
         if self.drafter.backbone == "v4":  # `auto` is checked where the target is known (models/registry.py)
             model_type = (self.target.hf_config or {}).get("model_type")
             if model_type not in (None, "deepseek_v4"):

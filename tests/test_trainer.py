@@ -74,13 +74,16 @@ def test_gradient_accumulation_counts_every_token_equally(tmp_path, tiny_shards)
     a, b = losses(tmp_path / "one" / "tiny-moe-dspark"), losses(tmp_path / "two" / "tiny-moe-dspark")
     for step in range(1, 5):
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
-    # train.compile=loss (the compiled vocabulary pass, the Markov bias folded into the draft GEMM) takes the same steps
-    run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", *common, "train.micro_batch_size=4", "train.compile=loss",
-             f"run.output_dir={tmp_path / 'compiled'}")
+    # train.compile=step (the compiled vocabulary pass with the Markov bias folded into the draft GEMM, and the drafter's
+    # forward and backward compiled) takes the same steps; train.compile=loss alone: tests/test_losses.py
+    run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", *common, "train.micro_batch_size=4", "train.compile=step",
+             f"run.output_dir={tmp_path / 'compiled'}", timeout=900)
     fused = losses(tmp_path / "compiled" / "tiny-moe-dspark")
-    vocab_pass = [json.loads((tmp_path / run / "tiny-moe-dspark" / "summary.json").read_text())["vocab_pass"]
-                  for run in ("one", "compiled")]
-    assert vocab_pass == ["eager", "compiled"]  # auto is eager on the CPU; loss really ran the compiled pass
+    ran = [{k: v for k, v in json.loads((tmp_path / run / "tiny-moe-dspark" / "summary.json").read_text()).items()
+            if k in ("vocab_pass", "drafter_graph")} for run in ("one", "compiled")]
+    assert ran[0] == {"vocab_pass": "eager", "drafter_graph": "eager"}  # auto: eager on the CPU
+    assert ran[1]["vocab_pass"] == "compiled" and ran[1]["drafter_graph"].endswith(", 0 graph breaks"), ran[1]
+    assert not ran[1]["drafter_graph"].startswith("compiled: 0 graphs"), ran[1]
     for step in range(1, 5):
         assert abs(a[step] - fused[step]) < 1e-5, (step, a[step], fused[step])
     # bf16 (DeepSpeed's bf16 engine: bf16 weights and activations, fp32 master weights; losses in fp32) tracks fp32

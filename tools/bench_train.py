@@ -10,7 +10,9 @@ weights, sequences, anchors and target features (every path computes the same lo
             per layer over BlockGroups (models/attention.py), the fused row-chunked vocabulary loss (dstrain/train/losses.py);
   fused     the same step with `train.compile: loss`: the vocabulary pass as one torch.compile'd kernel per chunk and
             the Markov bias folded into the draft GEMM (dstrain/train/vocab_fused.py); its compile time (the first,
-            untimed call) is printed apart;
+            untimed call) is in the JSON (first_call_s);
+  compiled  `train.compile: step`: fused, and the drafter's forward and backward compiled (not with --count: the
+            counter sees eager ops);
   deepspec  what the public DeepSpec DSpark trainer does (tools/bench_train_refs.py): context keys projected
             once per sequence and shared, a dense mask per sequence, target logits only at supervised positions,
             full-vocabulary fp32 softmaxes;
@@ -50,7 +52,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SIZES = {"smollm2": dict(hidden=576, vocab=49152, heads=9, kv_heads=3),
          "v4flash": dict(hidden=4096, vocab=129280, heads=32, kv_heads=8),
          "tiny": dict(hidden=64, vocab=512, heads=4, kv_heads=2)}  # dry runs of the tool itself
-PATHS = ("packed", "fused", "deepspec", "fullseq")
+PATHS = ("packed", "fused", "compiled", "deepspec", "fullseq")
 
 
 def rss_mb() -> float:
@@ -182,13 +184,16 @@ def measure(args, path: str, context: int, window: int | None, anchors: int) -> 
         torch.set_num_threads(args.threads)
     drafter, lm_head, packed, captured, final = setup(args, context, window, anchors)
     loss_cfg = LossConfig()
-    if path in ("packed", "fused"):
-        run = lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg, fused=path == "fused")  # noqa: E731
+    fused = path in ("fused", "compiled")
+    if path == "compiled":
+        drafter.compile()
+    if path in ("packed", "fused", "compiled"):
+        run = lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg, fused=fused)  # noqa: E731
     else:
         run = lambda: reference_step(drafter, lm_head, packed, captured, final, loss_cfg, context, window,  # noqa: E731
                                      full_sequence=path == "fullseq")
     run_quiet = (lambda: packed_step(drafter, lm_head, packed, captured, final, loss_cfg, read=False,  # noqa: E731
-                                     fused=path == "fused")) if path in ("packed", "fused") else run
+                                     fused=fused)) if path in ("packed", "fused", "compiled") else run
     t0 = time.perf_counter()
     loss = run()  # every path must compute the same loss; this call is also the warm-up (and the fused path's compile)
     first_call = time.perf_counter() - t0
@@ -370,8 +375,9 @@ def main() -> int:
     if args.profile:
         profile(args, contexts[0], windows[0], anchor_counts[0])
         return 0
-    if args.count and (args.device != "cpu" or "fullseq" in paths):
-        print("bench_train: --count runs on the CPU (counts do not depend on the device), paths packed and deepspec", file=sys.stderr)
+    if args.count and (args.device != "cpu" or not set(paths) <= set(bench_counts.COUNT_PATHS)):
+        print(f"bench_train: --count runs on the CPU (counts do not depend on the device), paths {','.join(bench_counts.COUNT_PATHS)}",
+              file=sys.stderr)
         return 2
     if args.path:  # a child process measuring one (path, anchors, window, context)
         measure_one = bench_counts.count_point if args.count else measure

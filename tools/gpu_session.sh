@@ -14,7 +14,8 @@
 #   bench_smollm2 / bench_v4flash   tools/bench_train.py --device cuda --dtype bf16 at d 576, V 49152 and at
 #             d 4096, V 129280: floor, packed, fused (train.compile=loss) and DeepSpec-style steps, contexts
 #             512/2048/8192, window 128 and none, 2 x 512 anchors, 10 steps each under set_sync_debug_mode("error")
-#             (window 128); then a profile of one packed step (its top operators print into the stage's log)
+#             (window 128); train.compile=step (compiled) at 2048 tokens, window 128; then a profile of one packed
+#             step (its top operators print into the stage's log)
 #   collect   one results.json (versions, summaries, metrics, parity, bench tables)
 #   table     (opt-in: STAGES="setup table") tools/reproduce_table.py --device cuda, training and evaluation on the
 #             GPU (--quick on the CPU in --cpu-dry); its results.md and results.json come back. Its setup needs the
@@ -183,6 +184,9 @@ bench() {  # name, then sizes
       --batch 2 --repeats 3 --paths packed,fused,deepspec --sync-debug --out "$WORK/$name.json"
     $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 512,2048,8192 --window none --anchors 512 \
       --batch 2 --repeats 3 --paths packed,fused,deepspec --out "$WORK/${name}_nowindow.json"
+    # train.compile=step (the drafter compiled too) at one point: compiling per shape takes minutes
+    $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 2048 --window 128 --anchors 512 \
+      --batch 2 --repeats 3 --paths packed,compiled --sync-debug --out "$WORK/${name}_compiled.json"
     $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 2048 --window 128 --anchors 512 --batch 2 --profile \
       > "$WORK/${name}_profile.txt" 2>&1 && tail -30 "$WORK/${name}_profile.txt"
   fi
@@ -236,7 +240,8 @@ res = {"mode": "cpu-dry" if os.environ["DRY"] == "1" else "gpu",
        "parity": {"cpu_fp32": read(f"{work}/parity_cpu/tiny-moe-dspark/metrics.jsonl", True),
                   "device_fp32_then_cpu_resume": read(f"{work}/parity_dev/tiny-moe-dspark/metrics.jsonl", True),
                   "export": read(f"{work}/export_dev/config.json")},
-       "bench": {name: read(f"{work}/{name}.json") for name in ("bench_smollm2", "bench_v4flash", "bench_smollm2_nowindow", "bench_v4flash_nowindow")},
+       "bench": {name: read(f"{work}/{name}.json") for name in ("bench_smollm2", "bench_v4flash", "bench_smollm2_nowindow", "bench_v4flash_nowindow",
+                                                                 "bench_smollm2_compiled", "bench_v4flash_compiled")},
        "megatron_cuda": {name: read(f"{work}/mc_{name}.json") for name in ("parity_fp32", "parity_bf16", "load", "compare")}}
 with open(f"{out}/results.json", "w") as fh:
     json.dump(res, fh, indent=1)

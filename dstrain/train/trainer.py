@@ -23,7 +23,7 @@ from dstrain.models.registry import build_drafter
 from dstrain.monitor import Monitor, peak_memory_mb
 from dstrain.runtime import preemption
 from dstrain.runtime.watchdog import progress
-from dstrain.train import checkpoint
+from dstrain.train import checkpoint, compiling
 from dstrain.train.losses import position_weights
 from dstrain.train.step import DraftStep
 from dstrain.train.step_metrics import MetricWindow, calibration_bins, clip_grad_norm, step_values
@@ -97,7 +97,8 @@ class Trainer:
                                  {"params": no_decay, "weight_decay": 0.0}], lr=recipe.train.lr, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.train))
         self.ckpt_dir = self.load_dir = run_dir / "checkpoints"
-        self.fused_loss = recipe.train.compile == "loss" or (recipe.train.compile == "auto" and self.device.type == "cuda")
+        self.fused_loss = compiling.fused_loss(recipe.train.compile, self.device)
+        self.compiled_drafter = compiling.compile_drafter(drafter, recipe.train.compile)
         self.resume_tag = self._shared_resume_tag(verified_tag)
         universal = self._saved_world_differs()
         if universal:
@@ -368,9 +369,7 @@ class Trainer:
         finally:
             monitor.close()
         summary = {"steps": self.step, "resumed_from": self.resumed_from, "preempted_at": self.preempted_at, "wandb_mode": monitor.wandb_mode, "first": None, "last": None}
-        if self.fused_loss:
-            from dstrain.train.vocab_fused import mode
-        summary["vocab_pass"] = mode() if self.fused_loss else "eager"  # train.compile as it ran
+        summary.update(compiling.summary(self.fused_loss, self.compiled_drafter))  # train.compile as it ran
         if self.live_eval is not None:
             summary["eval"] = self.live_eval.summary()
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start
