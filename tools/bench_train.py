@@ -72,7 +72,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def setup(args, context: int, window: int | None, anchors: int, draw: int = 0):
+def setup(args, context: int, window: int | None, anchors: int, draw: int = 0, flex: bool | None = None):
+    """The bench's drafter, LM head, packing and target features. `flex`: the attention layout (None: the trainer's
+    choice, train.step.pack_step: flex_attention on CUDA without a window, BlockGroups otherwise)."""
     from dstrain.data.anchors import anchor_generator, anchor_slots
     from dstrain.data.loader import Sample
     from dstrain.data.packing import pack_blocks
@@ -99,7 +101,8 @@ def setup(args, context: int, window: int | None, anchors: int, draw: int = 0):
     # draw: another anchor set; the trainer's static packing (train.step.pack_samples): fixed slots per sequence
     picks = [anchor_slots(s.loss_mask, anchors, anchor_generator(draw, s.meta["id"])) for s in samples]
     packed = pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], [a for a, _ in picks], args.gamma,
-                         0, window, per_sequence=anchors, keep=[k for _, k in picks])
+                         0, window, per_sequence=anchors, keep=[k for _, k in picks],
+                         flex=(device.type == "cuda" and window is None) if flex is None else flex)
     packed = plan_vocab_chunks(packed, size["vocab"], device)  # the data path's host work, before the step
     captured = torch.randn(args.batch * context, 3, size["hidden"], device=device).to(dtype)
     final = torch.randn(args.batch * context, size["hidden"], device=device).to(dtype)
@@ -156,6 +159,30 @@ def floor_measure(lm_head, positions: int, repeats: int) -> dict:
     return {"path": "floor", "seconds": dt, "positions": n, "positions_per_s": n / dt,
             "peak_step_mb": peak if w.device.type == "cuda" else None,  # RSS high-water marks cannot be reset
             "tflops": 6 * n * d * vocab / dt / 1e12}
+
+
+def flex_check(args, context: int, anchors: int) -> dict:
+    """The two static attention layouts on the same step without a window, on args.device: FlexBlocks (flex_attention,
+    the trainer's on CUDA) against BlockGroups (SDPA): the loss and, where flex has a backward (CUDA), every gradient."""
+    from dstrain.recipe import LossConfig
+
+    results = []
+    for flex in (False, True):
+        drafter, lm_head, packed, captured, final = setup(args, context, None, anchors, flex=flex)
+        if torch.device(args.device).type == "cuda":
+            loss = packed_step(drafter, lm_head, packed, captured, final, LossConfig(), read=False)
+        else:  # CPU: forward only
+            from dstrain.train.step import TargetFeatures, draft_losses
+
+            drafter.requires_grad_(False)
+            with torch.no_grad():
+                sums, _, _ = draft_losses(drafter, lm_head, packed, TargetFeatures(captured, final), LossConfig())
+            loss = sums["total"] / sums["weight"]
+        results.append((float(loss), [p.grad.detach().clone() for p in drafter.parameters() if p.grad is not None]))
+    (l0, g0), (l1, g1) = results
+    return {"context": context, "anchors": anchors, "layout": type(packed.key_groups).__name__,
+            "loss_sdpa": l0, "loss_flex": l1, "loss_diff": abs(l0 - l1), "grads_compared": len(g1),
+            "grad_max_diff": max(((a - b).abs().max().item() for a, b in zip(g0, g1)), default=None)}
 
 
 def sync_debug_steps(run, steps: int) -> str:
@@ -355,6 +382,8 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table (and the settings) as JSON here")
     ap.add_argument("--profile", action="store_true", help="profile one packed step at the first grid point instead")
     ap.add_argument("--in-process", action="store_true", help="measure in this process (always so with --device cuda)")
+    ap.add_argument("--check-flex", action="store_true", help="no timing: per context (no window, the first anchor count) "
+                    "the flex_attention layout against the SDPA one on the same step, loss and (CUDA) gradients")
     ap.add_argument("--sync-debug", action="store_true", help="on CUDA, also run 10 steps of each path under "
                     "torch.cuda.set_sync_debug_mode('error') and report whether any operation synchronised")
     ap.add_argument("--count", action="store_true", help="count one step's device ops, host syncs, [rows x V] traffic, "
@@ -372,6 +401,10 @@ def main() -> int:
     windows = [parse_window(w) for w in args.window.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     anchor_counts = [int(a) for a in args.anchors.split(",")]
+    if args.check_flex:
+        for context in contexts:
+            print(json.dumps(flex_check(args, context, anchor_counts[0])), flush=True)
+        return 0
     if args.profile:
         profile(args, contexts[0], windows[0], anchor_counts[0])
         return 0

@@ -14,7 +14,8 @@
 #   bench_smollm2 / bench_v4flash   tools/bench_train.py --device cuda --dtype bf16 at d 576, V 49152 and at
 #             d 4096, V 129280: floor, packed, fused (train.compile=loss) and DeepSpec-style steps, contexts
 #             512/2048/8192, window 128 and none, 2 x 512 anchors, 10 steps each under set_sync_debug_mode("error")
-#             (window 128); train.compile=step (compiled) at 2048 tokens, window 128; then a profile of one packed
+#             (window 128); train.compile=step (compiled) at 2048 tokens, window 128; the flex_attention layout
+#             against SDPA's (--check-flex, fp32, loss and gradients); then a profile of one packed
 #             step (its top operators print into the stage's log)
 #   collect   one results.json (versions, summaries, metrics, parity, bench tables)
 #   table     (opt-in: STAGES="setup table") tools/reproduce_table.py --device cuda, training and evaluation on the
@@ -177,7 +178,12 @@ bench() {  # name, then sizes
       --repeats 1 --threads 1 --out "$WORK/$name.json" $([[ $name == bench_smollm2 ]] && echo --in-process)
     $PY tools/bench_train.py --device cpu --dtype fp32 --sizes tiny --contexts 128,256 --window none --anchors 16 \
       --repeats 1 --threads 1 --out "$WORK/${name}_nowindow.json" --in-process
+    $PY tools/bench_train.py --device cpu --dtype fp32 --sizes tiny --contexts 256 --anchors 16 --threads 1 --check-flex \
+      | tee "$WORK/${name}_flex.jsonl"
   else
+    # the flex_attention layout (the trainer's on CUDA without a window) against SDPA's on one step: loss and gradients
+    $PY tools/bench_train.py --device cuda --dtype fp32 "$@" --contexts 512,2048 --anchors 64 --check-flex \
+      | tee "$WORK/${name}_flex.jsonl"
     # window and no window in separate runs: a stage that times out loses only the rows of the run in progress.
     # bf16 on CUDA: the loss GEMMs run on bf16 operands with fp32 output; the floor is the bf16 GEMM floor
     $PY tools/bench_train.py --device cuda --dtype bf16 "$@" --contexts 512,2048,8192 --window 128 --anchors 512 \
@@ -242,6 +248,7 @@ res = {"mode": "cpu-dry" if os.environ["DRY"] == "1" else "gpu",
                   "export": read(f"{work}/export_dev/config.json")},
        "bench": {name: read(f"{work}/{name}.json") for name in ("bench_smollm2", "bench_v4flash", "bench_smollm2_nowindow", "bench_v4flash_nowindow",
                                                                  "bench_smollm2_compiled", "bench_v4flash_compiled")},
+       "flex_check": {name: read(f"{work}/{name}_flex.jsonl", True) for name in ("bench_smollm2", "bench_v4flash")},
        "megatron_cuda": {name: read(f"{work}/mc_{name}.json") for name in ("parity_fp32", "parity_bf16", "load", "compare")}}
 with open(f"{out}/results.json", "w") as fh:
     json.dump(res, fh, indent=1)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dstrain.data.anchors import IGNORE, block_labels
-from dstrain.models.attention import BlockGroups, KeyGroups, _rounded
+from dstrain.models.attention import BlockGroups, FlexBlocks, KeyGroups, _rounded
 
 
 @dataclass
@@ -105,15 +105,16 @@ def block_slots(anchor: torch.Tensor, seq_index: torch.Tensor, lengths: torch.Te
 
 def pack_blocks(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], anchors: list[torch.Tensor], gamma: int,
                 mask_token_id: int, window: int | None = None, slots: int | None = None, per_sequence: int | None = None,
-                keep: list[torch.Tensor] | None = None, max_length: int | None = None) -> PackedBlocks:
+                keep: list[torch.Tensor] | None = None, max_length: int | None = None, flex: bool = False) -> PackedBlocks:
     """`slots`: block slots the drafter attends with (γ, or γ + 1 for DFlash's paper layout), the key groups' masks'.
     `per_sequence`: the static packing — every sequence's anchors padded to exactly this many slots (`keep` marks the
     real ones; default: the anchors given), key slots, context rows and the Markov table padded to sizes fixed by
     (batch, per_sequence, γ, window, the length bucket of max_length or of the longest sequence), the attention in one
-    BlockGroups call per layer. Without it, the packing of exactly the anchors given (decoding, tests)."""
+    BlockGroups call per layer (`flex`: one FlexBlocks call, for CUDA). Without it, the packing of exactly the anchors
+    given (decoding, tests)."""
     if per_sequence is not None:
         return _pack_static(input_ids, loss_masks, anchors, gamma, mask_token_id, window, slots or gamma, per_sequence,
-                            keep, max_length)
+                            keep, max_length, flex)
     lengths = torch.tensor([len(x) for x in input_ids])
     offsets = torch.cumsum(lengths, 0) - lengths
     flat_ids = torch.cat(input_ids)
@@ -149,7 +150,8 @@ def _pad(t: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat([t, fill.expand(size - len(t))])
 
 
-def _pack_static(input_ids, loss_masks, anchors, gamma, mask_token_id, window, slots, per_sequence, keep, max_length):
+def _pack_static(input_ids, loss_masks, anchors, gamma, mask_token_id, window, slots, per_sequence, keep, max_length,
+                 flex=False):
     k = per_sequence
     lengths = torch.tensor([len(x) for x in input_ids])
     bucket = length_bucket(max(int(lengths.max()), max_length or 0))
@@ -184,7 +186,8 @@ def _pack_static(input_ids, loss_masks, anchors, gamma, mask_token_id, window, s
     seq_of_row = torch.searchsorted(offsets, ctx_rows, right=True) - 1
     prev_distinct, prev_inverse = torch.unique(prev_tokens.reshape(-1), return_inverse=True)
     prev_distinct = _pad(prev_distinct, n_seq * min(k * gamma, bucket))  # distinct tokens <= distinct rows read
-    groups = BlockGroups.build(key_index, slots, static_group(k, slots, bucket, window), wk, len(ctx_rows))
+    groups = (FlexBlocks.build(key_index, slots) if flex else
+              BlockGroups.build(key_index, slots, static_group(k, slots, bucket, window), wk, len(ctx_rows)))
     return PackedBlocks(block_tokens=block_tokens, block_pos=block_pos, prev_tokens=prev_tokens, labels=labels,
                         ctx_rows=ctx_rows, ctx_pos=ctx_rows - offsets[seq_of_row],
                         ctx_next_tokens=flat_ids[(ctx_rows + 1).clamp(max=len(flat_ids) - 1)], key_index=key_index,

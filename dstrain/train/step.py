@@ -100,13 +100,14 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
 
 
 def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int,
-                 slots: int | None = None) -> PackedBlocks:
+                 slots: int | None = None, flex: bool = False) -> PackedBlocks:
     """The static packing: exactly anchors_per_seq block slots per sequence (padding where a sequence has fewer
-    candidates, keep False), so the step's shapes never depend on the draw (issue 23)."""
+    candidates, keep False), so the step's shapes never depend on the draw (issue 23). `flex`: its attention as
+    flex_attention over a BlockMask (CUDA) instead of SDPA over BlockGroups."""
     drawn = [anchor_slots(s.loss_mask, anchors_per_seq, anchor_generator(seed, s.meta["id"], epoch)) for s in samples]
     return pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], [a for a, _ in drawn], gamma,
                        mask_token_id=0, window=window, slots=slots, per_sequence=anchors_per_seq,
-                       keep=[k for _, k in drawn])
+                       keep=[k for _, k in drawn], flex=flex)
 
 
 class DraftStep(torch.nn.Module):
@@ -130,10 +131,13 @@ class DraftStep(torch.nn.Module):
 
 def pack_step(recipe, samples: list[Sample], step: int, vocab: int | None = None, device="cpu") -> PackedBlocks:
     """The packing of one training step's micro-batch: what both sides of a disaggregated run compute alike.
-    `vocab`: also plan the loss chunks for a vocabulary this size on `device` (the drafter side; host work)."""
+    `vocab`: also plan the loss chunks for a vocabulary this size on `device` (the drafter side; host work). On a GPU
+    without a window the attention runs as flex_attention (the causal triangle's tiles, no mask tensor); with a window
+    BlockGroups stays (a 128-query tile would span blocks whose windows barely overlap)."""
     d = recipe.drafter
     packed = pack_samples(samples, d.block_size, recipe.anchors.per_sequence, d.sliding_window, recipe.run.seed, step,
-                          slots=d.block_size + (0 if d.sample_from_anchor else 1))
+                          slots=d.block_size + (0 if d.sample_from_anchor else 1),
+                          flex=torch.device(device).type == "cuda" and d.sliding_window is None)
     return packed if vocab is None else plan_vocab_chunks(packed, vocab, device)
 
 
