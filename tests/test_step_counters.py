@@ -100,7 +100,7 @@ def test_shape_signature_tells_static_from_dynamic():
 
 
 def _args(**kw):
-    base = dict(sizes="tiny", layers=2, rank=256, gamma=5, batch=1, threads=1, device="cpu", dtype="fp32")
+    base = dict(sizes="tiny", layers=2, rank=256, gamma=5, batch=1, threads=1, device="cpu", dtype="fp32", loss_chunk_mb=None)
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -81,7 +81,7 @@ def setup(args, context: int, window: int | None, anchors: int, draw: int = 0, f
     from dstrain.models.contract import TargetSpec
     from dstrain.models.registry import build_drafter
     from dstrain.recipe import DrafterConfig, FFNConfig
-    from dstrain.train.losses import plan_vocab_chunks
+    from dstrain.train.losses import default_chunk_rows, plan_vocab_chunks
 
     device, dtype, size = torch.device(args.device), DTYPES[args.dtype], SIZES[args.sizes]
     torch.manual_seed(0)
@@ -103,7 +103,10 @@ def setup(args, context: int, window: int | None, anchors: int, draw: int = 0, f
     packed = pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], [a for a, _ in picks], args.gamma,
                          0, window, per_sequence=anchors, keep=[k for _, k in picks],
                          flex=(device.type == "cuda" and window is None) if flex is None else flex)
-    packed = plan_vocab_chunks(packed, size["vocab"], device)  # the data path's host work, before the step
+    chunk_mb = getattr(args, "loss_chunk_mb", None)
+    rows = None if chunk_mb is None else default_chunk_rows(packed.final_rows.numel(), size["vocab"], device,
+                                                                      chunk_mb)
+    packed = plan_vocab_chunks(packed, size["vocab"], device, rows)  # the data path's host work, before the step
     captured = torch.randn(args.batch * context, 3, size["hidden"], device=device).to(dtype)
     final = torch.randn(args.batch * context, size["hidden"], device=device).to(dtype)
     return drafter, lm_head, packed.to(device), captured, final
@@ -382,6 +385,8 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table (and the settings) as JSON here")
     ap.add_argument("--profile", action="store_true", help="profile one packed step at the first grid point instead")
     ap.add_argument("--in-process", action="store_true", help="measure in this process (always so with --device cuda)")
+    ap.add_argument("--loss-chunk-mb", type=float, help="memory budget of the loss's row chunks (default: the trainer's, "
+                    "96 MB on the CPU, an eighth of the free memory on a GPU: 17000 counts the chunks an H200 runs)")
     ap.add_argument("--check-flex", action="store_true", help="no timing: per context (no window, the first anchor count) "
                     "the flex_attention layout against the SDPA one on the same step, loss and (CUDA) gradients")
     ap.add_argument("--sync-debug", action="store_true", help="on CUDA, also run 10 steps of each path under "
@@ -418,6 +423,7 @@ def main() -> int:
         return 0
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("sizes", "layers", "rank", "gamma", "batch",
                                                                            "repeats", "threads", "device", "dtype")]
+    passthrough += [f"--loss-chunk-mb={args.loss_chunk_mb}"] if args.loss_chunk_mb is not None else []
     grid = [(a, w, c) for a in anchor_counts for w in windows for c in contexts]
     if args.count:
         try:
