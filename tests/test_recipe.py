@@ -86,6 +86,8 @@ def test_overrides_are_type_checked(tmp_path):
     (["target.source=path"], "needs target.path"),
     (["deepspeed.precision=fp16"], "deepspeed.precision"),
     (["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
+    (["train.compile=step", "deepspeed.zero_stage=3", "eval.every=0"], "train.compile=step compiles the drafter module"),
+    (["train.compile=yes"], "train.compile"),
 ])
 def test_impossible_combinations_rejected(overrides, needle):
     with pytest.raises(UserError, match=needle):
