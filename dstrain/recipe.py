@@ -245,7 +245,7 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept (checkpoints/best is kept apart)")
     compile: Literal["auto", "off", "loss", "step"] = Field(
         "auto", description="torch.compile on the training path: loss = the vocabulary pass as one compiled kernel per "
-        "chunk (at most 7 [rows x V] reads and writes a step instead of about 30); step = that and the drafter's forward "
+        "chunk (6-8 [rows x V] reads and writes a step at 512 anchors instead of about 30); step = that and the drafter's forward "
         "and backward compiled too (no graph break at static shapes; minutes to compile on a CPU); off = eager; auto = "
         "loss on CUDA, off on the CPU, where short runs do not earn the compile back")
     target_cache_mb: int = Field(0, ge=0, description="colocated: keep per-sample target features (frozen target) up to this size")

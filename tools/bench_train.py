@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+import bench_checks
 import bench_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dstrain, not another installed one
@@ -164,45 +165,6 @@ def floor_measure(lm_head, positions: int, repeats: int) -> dict:
             "tflops": 6 * n * d * vocab / dt / 1e12}
 
 
-def flex_check(args, context: int, anchors: int) -> dict:
-    """The two static attention layouts on the same step without a window, on args.device: FlexBlocks (flex_attention,
-    the trainer's on CUDA) against BlockGroups (SDPA): the loss and, where flex has a backward (CUDA), every gradient."""
-    from dstrain.recipe import LossConfig
-
-    results = []
-    for flex in (False, True):
-        drafter, lm_head, packed, captured, final = setup(args, context, None, anchors, flex=flex)
-        if torch.device(args.device).type == "cuda":
-            loss = packed_step(drafter, lm_head, packed, captured, final, LossConfig(), read=False)
-        else:  # CPU: forward only
-            from dstrain.train.step import TargetFeatures, draft_losses
-
-            drafter.requires_grad_(False)
-            with torch.no_grad():
-                sums, _, _ = draft_losses(drafter, lm_head, packed, TargetFeatures(captured, final), LossConfig())
-            loss = sums["total"] / sums["weight"]
-        results.append((float(loss), [p.grad.detach().clone() for p in drafter.parameters() if p.grad is not None]))
-    (l0, g0), (l1, g1) = results
-    return {"context": context, "anchors": anchors, "layout": type(packed.key_groups).__name__,
-            "loss_sdpa": l0, "loss_flex": l1, "loss_diff": abs(l0 - l1), "grads_compared": len(g1),
-            "grad_max_diff": max(((a - b).abs().max().item() for a, b in zip(g0, g1)), default=None)}
-
-
-def sync_debug_steps(run, steps: int) -> str:
-    """`steps` steps under torch.cuda.set_sync_debug_mode("error"): CUDA raises at the first operation that makes the
-    host wait for the device (no loss read: packed_step(read=False))."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(steps):
-            run()
-        return f"silent through {steps} steps"
-    except RuntimeError as exc:
-        return f"error: {str(exc).splitlines()[0][:200]}"
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 def measure(args, path: str, context: int, window: int | None, anchors: int) -> dict:
     """One (path, anchors, window, context) measurement; the packed path also times the floor at its N."""
     from bench_train_refs import reference_step
@@ -234,7 +196,7 @@ def measure(args, path: str, context: int, window: int | None, anchors: int) -> 
            "positions_per_s": positions / dt, "peak_step_mb": peak, "positions": positions, "loss": loss,
            "first_call_s": first_call}
     if args.sync_debug and device.type == "cuda":  # issue 23: no host sync inside the step, checked by CUDA itself
-        row["sync_debug"] = sync_debug_steps(run_quiet, 10)
+        row["sync_debug"] = bench_checks.sync_debug_steps(run_quiet, 10)
     if path == "packed":
         row["loss_gemms"] = ("bf16 operands, fp32 output" if device.type == "cuda" and args.dtype == "bf16"
                              and losses._MM_OUT_FP32["ok"] else "fp32")
@@ -408,7 +370,7 @@ def main() -> int:
     anchor_counts = [int(a) for a in args.anchors.split(",")]
     if args.check_flex:
         for context in contexts:
-            print(json.dumps(flex_check(args, context, anchor_counts[0])), flush=True)
+            print(json.dumps(bench_checks.flex_check(args, context, anchor_counts[0])), flush=True)
         return 0
     if args.profile:
         profile(args, contexts[0], windows[0], anchor_counts[0])

@@ -294,7 +294,7 @@ def vocab_loss(h_draft: torch.Tensor, target_hidden: torch.Tensor, lm_weight: to
     (or W₂) once. rows_per_chunk=None picks it from a memory budget (budget_mb=None: 96 MB on the CPU, an eighth of
     the free memory on a GPU), at least 256 rows so each chunk's GEMMs are worth streaming the LM head for.
     chunks: the host's plan of which rows each chunk shares (vocab_chunks; its row count wins), else found here.
-    fused: the compiled vocabulary pass (vocab_fused.py: ≤ 7 [rows × V] reads and writes instead of about 30).
+    fused: the compiled vocabulary pass (vocab_fused.py: about 7 [rows × V] reads and writes instead of about 30).
     """
     if (markov_a is None) != (markov_w2 is None):
         raise ValueError("markov_a and markov_w2 go together")

@@ -14,6 +14,7 @@ import torch
 from dstrain.data.anchors import anchor_generator, anchor_slots
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks, pack_blocks
+from dstrain.models.attention import FlexBlocks
 from dstrain.models.heads import MarkovHead
 from dstrain.train.losses import drafter_loss_sums, plan_vocab_chunks, position_weights, vocab_loss
 
@@ -145,6 +146,9 @@ def draft_losses(drafter, lm_head: torch.nn.Linear, packed: PackedBlocks, feats:
                  rows_per_chunk: int | None = None, fused: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
     """Position-weighted loss sums (see losses.drafter_loss_sums), the per-position TV [N, γ], and the DraftOutput.
     fused: the compiled vocabulary pass (train.compile, losses.vocab_loss)."""
+    groups = packed.key_groups
+    if isinstance(groups, FlexBlocks):  # its BlockMask built here, before the (maybe compiled) drafter, once per step
+        groups.block_mask(groups.slots, groups.slots, len(packed.ctx_rows), packed.ctx_rows.device)
     out = drafter(packed, feats.captured[packed.ctx_rows])
     n, gamma, d = out.hidden.shape
     factor = markov_index = None

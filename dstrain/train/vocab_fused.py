@@ -8,7 +8,8 @@ differences, signs, products, each its own kernel). Here each loss chunk does:
   ce, tv, g_u = vocab_rows(u, t, …)  one compiled kernel: both softmaxes, CE, TV and the logits' gradient
   [grad_h | grad_a] = g_u @ [W | W₂ᵀ];  grad_W₂ += a_prevᵀ @ g_u
 
-so the step reads and writes at most 7 [rows x V] tensors (bf16 logits on CUDA: half that in bytes). The compiled
+so the step reads and writes about 7 [rows x V] tensors (6.0-7.5 counted at 512 anchors; the [r x V] W₂ gradient
+adds r/rows per chunk; bf16 logits on CUDA: half that in bytes). The compiled
 kernel is wrapped in a custom op (dstrain::vocab_rows), so autograd, the step counters and an outer torch.compile
 see one operation: it reads each operand once and keeps a row in cache while it makes its passes over it (a
 V4-Flash fp32 row is 0.5 MB). The same math runs eagerly when torch.compile is unavailable; tests hold it to the
