@@ -85,3 +85,33 @@ def test_load_target_from_recipe_and_bad_path(tmp_path):
     recipe = load_recipe(ROOT / "recipes/tiny_moe.yaml", ["target.source=path", f"target.path={tmp_path}", "target.hf_config=null"])
     with pytest.raises(UserError, match="no config.json"):
         load_target(recipe.target)
+
+
+
+def test_cached_conversion_keeps_the_folder_another_process_finished_first(tmp_path, monkeypatch):
+    """Two processes converting the same cached target at once (two test workers, two runs on one machine): the one
+    that finishes second keeps the first one's folder and leaves no temporary folder behind; a failed write leaves
+    nothing. Mutation caught: checking for the folder before os.replace (the other process can finish in between, and
+    os.replace onto its non-empty folder raises ENOTEMPTY)."""
+    import os
+
+    from dstrain.targets import smollm2
+
+    dest, real_replace = tmp_path / "target", os.replace
+
+    def other_process_finishes_just_before(src, dst):
+        dest.mkdir()
+        (dest / "config.json").write_text("theirs")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(smollm2.os, "replace", other_process_finishes_just_before)
+    assert smollm2._atomic_save(dest, lambda tmp: (tmp / "config.json").write_text("mine")) == dest
+    assert (dest / "config.json").read_text() == "theirs" and [p.name for p in tmp_path.iterdir()] == ["target"]
+    monkeypatch.undo()
+
+    def fails(tmp):
+        raise RuntimeError("disk")
+
+    with pytest.raises(RuntimeError):
+        smollm2._atomic_save(tmp_path / "other", fails)
+    assert [p.name for p in tmp_path.iterdir()] == ["target"]

@@ -56,10 +56,12 @@ def _atomic_save(dest: Path, write) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         write(tmp)
-        if dest.exists():  # another process finished first; keep theirs
-            shutil.rmtree(tmp)
-        else:
+        try:
             os.replace(tmp, dest)
+        except OSError:  # another process finished first (a non-empty folder cannot be replaced): keep theirs
+            if not (dest / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
