@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from tiny_configs import TINY
 from dstrain.errors import UserError
 from dstrain.models.block_drafter import BlockDrafter
 from dstrain.models.contract import spec_from_config
@@ -130,6 +131,29 @@ def test_feature_cache_namespace_follows_the_readout_version(monkeypatch):
     now = namespace_of("f", [1, 2], torch.float32, "cpu")
     monkeypatch.setattr(hf, "READOUT_VERSION", hf.READOUT_VERSION + 1)
     assert namespace_of("f", [1, 2], torch.float32, "cpu") != now
+
+
+def test_feature_cache_namespace_of_a_target_without_streams_ignores_the_readout(monkeypatch, tmp_path):
+    """Only an mHC target's features depend on the readout: a target without streams keeps the namespace written before
+    the readout version existed (its cached epochs stay hits when the version moves), an mHC target's follows it.
+    Mutation caught: the readout version in every namespace (a bump re-ran a cached SmolLM2 epoch: 0.73 of the step
+    waiting on the target)."""
+    from dstrain.recipe import TargetConfig
+    from dstrain.targets import hf
+    from dstrain.targets.tiny_checkpoint import write_checkpoint
+    from dstrain.train.feature_store import FORMAT_VERSION, has_streams, namespace_of
+
+    v1 = json.dumps({"v": FORMAT_VERSION, "target": "f", "layers": [1, 2], "dtype": str(torch.float32), "device": "cpu"})
+    plain = namespace_of("f", [1, 2], torch.float32, "cpu", streams=False)
+    assert plain == hashlib.sha256(v1.encode()).hexdigest()[:16]
+    monkeypatch.setattr(hf, "READOUT_VERSION", hf.READOUT_VERSION + 1)
+    assert namespace_of("f", [1, 2], torch.float32, "cpu", streams=False) == plain
+    v4, mixtral = TINY["deepseek_v4"], TINY["mixtral"]
+    assert has_streams(TargetConfig(name="v4", source="random", hf_config=v4))
+    assert not has_streams(TargetConfig(name="m", source="random", hf_config=mixtral))
+    folder = write_checkpoint(tmp_path / "mixtral", mixtral, seed=0, shards=1)
+    assert not has_streams(TargetConfig(name="m", source="path", path=str(folder)))
+    assert has_streams(TargetConfig(name="x", source="path", path=str(tmp_path / "nowhere")))  # unreadable: keep the version
 
 
 def test_zero3_registers_the_markov_w2_parameter():

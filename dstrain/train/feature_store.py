@@ -89,14 +89,34 @@ def _memoised(folder: Path, memo_dir: Path | None, fingerprint) -> str:
     return value
 
 
-def namespace_of(fingerprint: str, capture_layers: list[int], dtype: torch.dtype, device_kind: str) -> str:
-    """One folder per way of computing features: a changed fingerprint, layer list, dtype, device or layer readout
-    (targets.hf.READOUT_VERSION: how an mHC layer's streams become its feature) misses."""
+def namespace_of(fingerprint: str, capture_layers: list[int], dtype: torch.dtype, device_kind: str,
+                 streams: bool = True) -> str:
+    """One folder per way of computing features: a changed fingerprint, layer list, dtype, device or, for a target with
+    mHC streams, layer readout (targets.hf.READOUT_VERSION: how an mHC layer's streams become its feature) misses. A
+    target without streams reads out its hidden state whatever the readout version, so its namespace leaves the version
+    out and stays the one written before the version existed (bumping it re-ran every cached SmolLM2 epoch)."""
     from dstrain.targets.hf import READOUT_VERSION
 
-    desc = json.dumps({"v": FORMAT_VERSION, "target": fingerprint, "layers": list(capture_layers),
-                       "dtype": str(dtype), "device": device_kind, "readout": READOUT_VERSION})
-    return hashlib.sha256(desc.encode()).hexdigest()[:16]
+    desc = {"v": FORMAT_VERSION, "target": fingerprint, "layers": list(capture_layers), "dtype": str(dtype),
+            "device": device_kind}
+    if streams:
+        desc["readout"] = READOUT_VERSION
+    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
+
+def has_streams(target_cfg) -> bool:
+    """Whether the target carries mHC residual streams (hc_mult > 1 in its config): true when its config cannot be
+    read, so an unknown target keeps the readout version in its namespace."""
+    from dstrain.targets import target_folder
+
+    try:
+        if target_cfg.source == "random":
+            cfg = dict(target_cfg.hf_config or {})
+        else:
+            cfg = json.loads((Path(target_folder(target_cfg)) / "config.json").read_text())
+    except (OSError, TypeError, ValueError):
+        return True
+    return int(cfg.get("hc_mult") or 1) > 1
 
 
 def _dtype_of(name: str) -> torch.dtype:
@@ -298,7 +318,7 @@ def open_store(recipe, capture_layers: list[int], device_kind: str, memory=None,
 
     try:
         fingerprint = target_fingerprint(recipe.target, recipe.run.seed, Path(t.feature_cache_dir))
-        ns = namespace_of(fingerprint, capture_layers, DTYPES[recipe.target.dtype], device_kind)
+        ns = namespace_of(fingerprint, capture_layers, DTYPES[recipe.target.dtype], device_kind, has_streams(recipe.target))
         store = FeatureStore(t.feature_cache_dir, int(t.feature_cache_gb * 2**30), ns, memory)
     except OSError as exc:
         raise UserError(f"train.feature_cache_dir {t.feature_cache_dir}: cannot use it ({exc.strerror or exc}); "
