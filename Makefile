@@ -41,7 +41,8 @@ $(STAMP): pyproject.toml $(LOCK)
 # one core each; serially they left the second of 2 cores idle, ~19 of the suite's 38 minutes), then the multi-process
 # (torchrun) tests one at a time, as each already fills the cores and some time their faults. Both run whatever the
 # first's outcome; the target fails if either did.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+# (nproc without OMP_NUM_THREADS: nproc reports that variable's value when it is set, and CI sets it to 1.)
+TEST_WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test: install slurm
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not distributed" --durations=25 tests; single=$$?; \
 	$(PY) -m pytest -q -p no:xdist -m distributed --durations=15 tests; multi=$$?; \
