@@ -228,3 +228,22 @@ def test_paper_preset_end_to_end_and_resume(tiny_world):
     assert (out / "learning_curves.png").stat().st_size > 5000 and (out / "tau_seeds.png").stat().st_size > 5000
     again = run_tool(*args, timeout=300)
     assert again.stdout.count("reused (config unchanged)") == 13, again.stdout
+
+
+def test_every_family_is_a_valid_recipe_that_changes_what_its_name_says():
+    """Each family's overrides load on the table's base recipe (a misspelt key or value is a recipe error here, not
+    an hour into a background table), and the position-1 ablations differ from DSpark (Markov) in their one setting."""
+    from dstrain.recipe import load_recipe
+    from dstrain.reproduce.families import FAMILIES, family_overrides
+
+    base = ROOT / "dstrain" / "recipes" / "smollm2_moe.yaml"
+    recipes = {name: load_recipe(base, family_overrides(name, 30)) for name in FAMILIES}
+    ref = recipes["dspark-markov"]
+    assert ref.drafter.head == "markov" and ref.drafter.confidence and ref.loss.alpha_conf > 0
+    assert recipes["dspark-anchor-context"].drafter.anchor_context and not ref.drafter.anchor_context
+    assert recipes["dspark-conf-0.3"].loss.alpha_conf == 0.3
+    assert recipes["dspark-rank-64"].drafter.head_rank == 64 != ref.drafter.head_rank
+    no_conf = recipes["dspark-no-conf"]
+    assert not no_conf.drafter.confidence and no_conf.loss.alpha_conf == 0 and no_conf.drafter.head == "markov"
+    assert recipes["dflash-anchor"].drafter.head == "none" and recipes["dflash-anchor"].drafter.sample_from_anchor
+    assert recipes["mtp"].target.capture_layers == [29] and recipes["eagle3"].drafter.num_layers == 1

@@ -35,6 +35,8 @@ FAMILIES: dict[str, Family] = {
                               "drafter.confidence=true", "loss.alpha_conf=0.3")),
     "dspark-rank-64": Family("DSpark (Markov), rank 64", ("drafter.type=dspark", "drafter.head=markov",
                              "drafter.confidence=true", "drafter.head_rank=64")),
+    "dspark-no-conf": Family("DSpark (Markov), no confidence head", ("drafter.type=dspark", "drafter.head=markov",
+                             "drafter.confidence=false", "loss.alpha_conf=0")),
     # Eagle3 as the engines run it: one Llama layer, no q/k norms (the base recipe's qk_norm is for the block drafters)
     "eagle3": Family("Eagle3", ("drafter.type=eagle3", "drafter.num_layers=1", "drafter.qk_norm=false", *_NO_HEADS)),
     # MTP-1 reads the target's last layer; target.capture_layers is added by family_overrides
