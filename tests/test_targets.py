@@ -87,7 +87,6 @@ def test_load_target_from_recipe_and_bad_path(tmp_path):
         load_target(recipe.target)
 
 
-
 def test_cached_conversion_keeps_the_folder_another_process_finished_first(tmp_path, monkeypatch):
     """Two processes converting the same cached target at once (two test workers, two runs on one machine): the one
     that finishes second keeps the first one's folder and leaves no temporary folder behind; a failed write leaves

@@ -49,7 +49,8 @@ def assemble(cfg, data: dict, plan: dict, trains: dict, curves: dict, evals: dic
 def position1(evals: dict, domains: list[str], samples: int, seed: int, reference: str = "dspark-markov") -> dict:
     """Each family's position-1 acceptance minus DSpark (Markov)'s, paired on the same prompts (all benchmarks pooled:
     accepted / reached summed per prompt), with its 95 % paired-bootstrap interval — how the position-1 ablations
-    (dspark-anchor-context, dspark-conf-0.3, dspark-no-conf, dspark-rank-64, dflash-anchor) and the other families compare with DSpark."""
+    (dspark-anchor-context, dspark-conf-0.3, dspark-no-conf, dspark-rank-64, dflash-anchor) and the other families
+    compare with DSpark."""
     if reference not in evals or any("pos1_reached" not in evals[reference]["totals"][d] for d in domains):
         return {}
 

@@ -107,16 +107,14 @@ def namespace_of(fingerprint: str, capture_layers: list[int], dtype: torch.dtype
 def has_streams(target_cfg) -> bool:
     """Whether the target carries mHC residual streams (hc_mult > 1 in its config): true when its config cannot be
     read, so an unknown target keeps the readout version in its namespace."""
-    from dstrain.targets import target_folder
+    from dstrain.errors import UserError
+    from dstrain.targets.configs import resolve_config
 
     try:
-        if target_cfg.source == "random":
-            cfg = dict(target_cfg.hf_config or {})
-        else:
-            cfg = json.loads((Path(target_folder(target_cfg)) / "config.json").read_text())
-    except (OSError, TypeError, ValueError):
+        cfg, _ = resolve_config(target_cfg)
+    except UserError:
         return True
-    return int(cfg.get("hc_mult") or 1) > 1
+    return int(getattr(cfg, "hc_mult", 1) or 1) > 1
 
 
 def _dtype_of(name: str) -> torch.dtype:
