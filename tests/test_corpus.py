@@ -136,3 +136,31 @@ def test_demo_trains_from_scratch_when_its_data_changed(tmp_path):
     start_fresh_if_data_changed(run, "b")  # new data: moved aside again, replacing the older backup
     assert not (run / "checkpoints").exists() and (tmp_path / "run-previous" / "checkpoints").is_dir()
     assert json.loads((run / "demo_data.json").read_text()) == {"key": "b"}
+
+
+def test_demo_compares_held_out_tau_with_benchmark_tau():
+    """The demo's two τ (held-out corpus prompts, sampled benchmark prompts) are compared as a ratio, macro and per
+    domain, and judged against the ±10 % the held-out split must hold to stand in for the benchmarks."""
+    from dstrain.cli.demo import agreement_line, tau_agreement
+
+    def results(macro, **domains):
+        return {"drafters": {"dspark": {"macro_tau": macro, "domains": {d: {"tau": t} for d, t in domains.items()}}}}
+
+    close = tau_agreement(results(1.50, chat=1.4, code=1.5, math=1.6), results(1.40, chat=1.2, code=1.5, math=1.5))
+    assert close["ratio"] == round(1.5 / 1.4, 4) and close["within_tolerance"]
+    assert close["ratio_by_domain"] == {"chat": round(1.4 / 1.2, 4), "code": 1.0, "math": round(1.6 / 1.5, 4)}
+    far = tau_agreement(results(1.80, chat=1.8), results(1.50, chat=1.5, code=1.5))  # a domain only one side has is left out
+    assert not far["within_tolerance"] and far["ratio_by_domain"] == {"chat": 1.2}
+    assert "outside ±10%" in agreement_line(far) and "within ±10%" in agreement_line(close)
+
+
+def test_demo_runs_the_recipe_as_it_is_without_steps():
+    """`make demo` passes no --steps: the recipe trains as written (this once raised a TypeError before training);
+    --steps N shortens it and scales the warmup down only where the recipe's would not fit."""
+    from dstrain.cli.demo import demo_train_overrides
+    from dstrain.recipe import load_recipe
+
+    recipe = load_recipe("recipes/smollm2_moe.yaml")
+    assert demo_train_overrides(recipe, None) == []
+    assert demo_train_overrides(recipe, 50) == ["train.steps=50", f"train.warmup_steps={min(recipe.train.warmup_steps, 5)}"]
+    assert demo_train_overrides(recipe, 10_000)[1] == f"train.warmup_steps={recipe.train.warmup_steps}"

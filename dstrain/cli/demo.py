@@ -4,7 +4,8 @@ Stages: prepare the upcycled SmolLM2-MoE target (cached) and check the shipped c
 unpack the corpus's training split → regenerate a handful of fresh prompts with the target (the stage a
 user runs on their own prompts; resumable) → shards → DSpark training (dstrain train, resumes from its
 last checkpoint) → held-out τ: speculative decoding on corpus prompts of the same mix it never trained
-on → RUN_DIR/summary.json with losses, τ̂ at the start and the end, and the held-out τ.
+on → benchmark τ on GSM8K / HumanEval / MT-Bench prompts drawn at random (seed 0, stratified by category) with the
+same settings, beside it → RUN_DIR/summary.json with losses, τ̂ at the start and the end, both τ and their ratio.
 """
 
 from __future__ import annotations
@@ -26,6 +27,23 @@ def held_out_line(results: dict) -> str:
     return ", ".join(f"{d} {v['tau']:.2f}" for d, v in sorted(res["domains"].items())) + f", macro {res['macro_tau']:.2f}"
 
 
+def tau_agreement(held_out: dict, benchmark: dict, tolerance: float = 0.10) -> dict:
+    """Held-out τ against benchmark τ of the same drafter and settings: is the held-out split a fair proxy for the
+    benchmarks (same macro τ within `tolerance`)? Per domain too: math ↔ GSM8K, code ↔ HumanEval, chat ↔ MT-Bench."""
+    h, b = (next(iter(r["drafters"].values())) for r in (held_out, benchmark))
+    ratio = h["macro_tau"] / b["macro_tau"]
+    domains = {d: round(h["domains"][d]["tau"] / b["domains"][d]["tau"], 4) for d in sorted(h["domains"]) if d in b["domains"]}
+    return {"held_out_macro_tau": h["macro_tau"], "benchmark_macro_tau": b["macro_tau"], "ratio": round(ratio, 4),
+            "ratio_by_domain": domains, "tolerance": tolerance, "within_tolerance": abs(ratio - 1) <= tolerance}
+
+
+def agreement_line(a: dict) -> str:
+    verdict = "within" if a["within_tolerance"] else "outside"
+    per = ", ".join(f"{d} {r:.2f}" for d, r in a["ratio_by_domain"].items())
+    return (f"held-out / benchmark macro τ = {a['held_out_macro_tau']:.3f} / {a['benchmark_macro_tau']:.3f} = "
+            f"{a['ratio']:.3f} ({verdict} ±{a['tolerance']:.0%}; by domain {per})")
+
+
 def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="recipes/smollm2_moe.yaml")
@@ -35,6 +53,8 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=8, help="sequences decoded together while regenerating")
     ap.add_argument("--steps", type=int, help="training steps (default: the recipe's train.steps)")
     ap.add_argument("--eval-prompts", type=int, default=6, help="held-out prompts per domain for the held-out τ (0: skip)")
+    ap.add_argument("--bench-prompts", type=int, default=6, help="benchmark prompts per domain for the benchmark τ beside "
+                    "the held-out one (0: skip)")
     ap.add_argument("--eval-new-tokens", type=int, default=64)
     ap.add_argument("--run-dir", default="runs/demo")
     return ap
@@ -65,14 +85,14 @@ def run(args: argparse.Namespace) -> int:
     folder = target_folder(recipe.target)
     man = corpus.check_target(Path(args.corpus), folder, recipe.target.name)
     timings["prepare_target_s"] = time.perf_counter() - t
-    print(f"[1/6] target ready: {folder}; {args.corpus} was made by it ({timings['prepare_target_s']:.1f}s)")
+    print(f"[1/7] target ready: {folder}; {args.corpus} was made by it ({timings['prepare_target_s']:.1f}s)")
 
     train_jsonl, held_prompts = data_dir / "corpus_train.jsonl", data_dir / "held_out_prompts.jsonl"
     n_train = corpus.unpack(Path(args.corpus), train_jsonl, "train")
     n_held = corpus.held_out_prompts(Path(args.corpus), held_prompts)
     summary["corpus"] = {"path": args.corpus, "train_conversations": n_train, "held_out_prompts": n_held,
                          "records": man["records"], "prompts": man["prompts"], "complete": man["complete"]}
-    print(f"[2/6] corpus: {n_train} training conversations ({man['records']}/{man['prompts']} answered), {n_held} held-out prompts")
+    print(f"[2/7] corpus: {n_train} training conversations ({man['records']}/{man['prompts']} answered), {n_held} held-out prompts")
 
     t = time.perf_counter()
     fresh_prompts, inputs = data_dir / "fresh_prompts.jsonl", [str(train_jsonl)]
@@ -89,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         stats = regenerate(str(fresh_prompts), str(data_dir / "fresh_conversations.jsonl"), gen, recipe.target.name)
         summary["regenerate"] = {k: v for k, v in stats.items() if k != "bad_data"}
         inputs.append(str(data_dir / "fresh_conversations.jsonl"))
-        print(f"[3/6] regenerated {stats['written']} fresh conversations, {stats['turn_tokens']} tokens at {stats['tokens_per_s']:.1f} tok/s")
+        print(f"[3/7] regenerated {stats['written']} fresh conversations, {stats['turn_tokens']} tokens at {stats['tokens_per_s']:.1f} tok/s")
     timings["regenerate_s"] = time.perf_counter() - t
 
     tok = AutoTokenizer.from_pretrained(folder)
@@ -97,14 +117,12 @@ def run(args: argparse.Namespace) -> int:
                          recipe.target.name, overwrite=True)
     samples = sum(1 for _ in ShardLoader(shards, expect_target=recipe.target.name, max_length=recipe.data.max_length).iter_epoch())
     summary["shards"] = {**built["counts"], "bad_data": built["bad_data"]["counts"], "loader_samples": samples}
-    print(f"[4/6] shards: {built['counts']['samples']} samples, {built['counts']['loss_tokens']} supervised tokens; loader read {samples}")
+    print(f"[4/7] shards: {built['counts']['samples']} samples, {built['counts']['loss_tokens']} supervised tokens; loader read {samples}")
 
     t = time.perf_counter()
     run_folder = Path(recipe.run.output_dir) / recipe.run.name
     start_fresh_if_data_changed(run_folder, data_key(inputs, recipe))
-    # a shorter run keeps the recipe's warmup only where it fits (the schema refuses warmup > steps)
-    shorter = [f"train.steps={args.steps}", f"train.warmup_steps={min(recipe.train.warmup_steps, args.steps // 10)}"]
-    cmd = [sys.executable, "-m", "dstrain", "train", args.recipe] + (shorter if args.steps else [])
+    cmd = [sys.executable, "-m", "dstrain", "train", args.recipe] + demo_train_overrides(recipe, args.steps)
     if subprocess.run(cmd).returncode != 0:
         raise UserError("the training stage failed (its error is printed above)")
     timings["train_s"] = time.perf_counter() - t
@@ -113,26 +131,46 @@ def run(args: argparse.Namespace) -> int:
     logged = lambda line, k: line.get(k if k == "step" else f"train/{k}")  # noqa: E731  metrics.jsonl's names
     summary["train"] = {"start": {k: logged(train["first"], k) for k in keys}, "end": {k: logged(train["last"], k) for k in keys}}
     s0, s1 = summary["train"]["start"], summary["train"]["end"]
-    print(f"[5/6] trained {train['steps']} steps in {timings['train_s']:.0f}s: loss {s0['loss']:.3f} -> {s1['loss']:.3f}, "
+    print(f"[5/7] trained {train['steps']} steps in {timings['train_s']:.0f}s: loss {s0['loss']:.3f} -> {s1['loss']:.3f}, "
           f"tau_hat {s0['tau_hat']:.3f} -> {s1['tau_hat']:.3f}")
 
-    if args.eval_prompts:
+    evaluations = [("held_out", held_prompts, args.eval_prompts, "held-out τ (corpus mix, never trained on")]
+    if args.bench_prompts:
+        from dstrain.decoding.prompts import sampled_benchmark_prompts
+
+        bench_prompts = data_dir / "benchmark_prompts.jsonl"
+        drawn = sampled_benchmark_prompts(["math", "code", "chat"], args.bench_prompts, 0)
+        bench_prompts.write_text("".join(json.dumps(p) + "\n" for p in drawn))
+        evaluations.append(("benchmark", bench_prompts, args.bench_prompts, "benchmark τ (GSM8K / HumanEval / MT-Bench"))
+    for stage, (name, prompts, limit, what) in enumerate(evaluations, start=6):
+        if not limit:
+            continue
         t = time.perf_counter()
-        out = run_dir / "held_out_eval"
-        cmd = [sys.executable, "-m", "dstrain", "eval", "--drafter", f"dspark={run_folder}", "--prompts", str(held_prompts),
-               "--limit", str(args.eval_prompts), "--max-new-tokens", str(args.eval_new_tokens), "--batch", "6",
+        out = run_dir / f"{name}_eval"
+        cmd = [sys.executable, "-m", "dstrain", "eval", "--drafter", f"dspark={run_folder}", "--prompts", str(prompts),
+               "--limit", str(limit), "--max-new-tokens", str(args.eval_new_tokens), "--batch", "6",
                "--no-baseline", "--out", str(out)]
         if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
-            raise UserError("the held-out evaluation failed (its error is printed above)")
-        timings["held_out_eval_s"] = time.perf_counter() - t
-        res = json.loads((out / "results.json").read_text())
-        summary["held_out"] = res
-        print(f"[6/6] held-out τ (corpus mix, never trained on, T=1, {args.eval_new_tokens} new tokens): {held_out_line(res)} "
-              f"({timings['held_out_eval_s']:.0f}s; {out}/results.md)")
+            raise UserError(f"the {name.replace('_', '-')} evaluation failed (its error is printed above)")
+        timings[f"{name}_eval_s"] = time.perf_counter() - t
+        summary[name] = json.loads((out / "results.json").read_text())
+        print(f"[{stage}/7] {what}, T=1, {args.eval_new_tokens} new tokens): {held_out_line(summary[name])} "
+              f"({timings[f'{name}_eval_s']:.0f}s; {out}/results.md)")
+    if "held_out" in summary and "benchmark" in summary:
+        summary["held_out_vs_benchmark"] = tau_agreement(summary["held_out"], summary["benchmark"])
+        print(f"      {agreement_line(summary['held_out_vs_benchmark'])}")
     summary["timings"] = timings
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"summary: {run_dir / 'summary.json'}")
     return 0
+
+
+def demo_train_overrides(recipe, steps: int | None) -> list[str]:
+    """--steps N: a shorter run, keeping the recipe's warmup only where it fits (the schema refuses warmup > steps);
+    without it, the recipe as it is."""
+    if not steps:
+        return []
+    return [f"train.steps={steps}", f"train.warmup_steps={min(recipe.train.warmup_steps, steps // 10)}"]
 
 
 def data_key(inputs: list[str], recipe) -> str:
