@@ -34,9 +34,9 @@ HELP_NAMES = {
     "export": ["run", "out", "--format", "speculators"],
     "eval": ["--drafter", "--prompts", "--limit", "--threshold"],
     "calibrate": ["drafter", "--rollouts", "--count"],
-    "table": ["--families", "--preset", "--quick"],
+    "table": ["--families", "--preset", "--quick", "--dry-run"],
     "simulate": ["--rollouts", "--sps", "--concurrency"],
-    "demo": ["--recipe", "--corpus", "--fresh-prompts", "--run-dir"],
+    "demo": ["--recipe", "--corpus", "--fresh-prompts", "--run-dir", "--bench-prompts"],
     "docs recipes": ["usage: dstrain docs recipes"],
 }
 
@@ -102,6 +102,22 @@ def test_plan_by_name_and_unknown_names():
         code, text, err = call("plan", bad)
         assert code == 2 and text == ""
         assert len(err.strip().splitlines()) == 1 and "v4_flash" in err, err  # one line naming the shipped recipes
+
+
+def test_table_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    """`dstrain table --dry-run` resolves either preset from the recipe and the corpus manifest: every stage with its
+    first-guess time and the ETA, OUT not created; a corpus that is not one ends in one line."""
+    out = tmp_path / "table"
+    code, text, err = call("table", "--preset", "paper", "--dry-run", "--out", str(out))
+    assert code == 0, err
+    for stage in ("train dspark-markov-s0", "train eagle3-s1", "evaluate dflash-s1"):
+        assert stage in text
+    train_prompts = json.loads((ROOT / "corpus" / "smollm2_moe" / "manifest.json").read_text())["held_out"]["train_prompts"]
+    assert f"{train_prompts} training prompts" in text and "ETA " in text and not out.exists()
+    code, text, err = call("table", "--dry-run", "--families", "eagle3,dspark-rnn", "--steps", "40", "--out", str(out))
+    assert code == 0 and "train eagle3" in text and "evaluate dspark-rnn" in text and "40 steps" in text and not out.exists()
+    code, _, err = call("table", "--dry-run", "--corpus", str(tmp_path / "nothing"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "manifest.json" in err
 
 
 def test_recipes_lists_every_shipped_yaml():

@@ -68,6 +68,8 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
                          "paper's offline configuration trained to a held-out plateau, two seeds (dstrain/reproduce/paper.py)")
     ap.add_argument("--stop-after", choices=("data", "train"), help="paper preset: stop after this stage (train on one "
                     "machine, evaluate on another)")
+    ap.add_argument("--dry-run", action="store_true", help="print the resolved plan (stages, first-guess times, ETA) "
+                    "without loading a weight, and exit")
     ap.add_argument("--quick", action="store_true", help="smoke-test sizes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     return ap
 
@@ -104,10 +106,48 @@ def make_config(args):
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, argv=list(args.argv), **sizes)
 
 
+def dry_run(args: argparse.Namespace) -> int:
+    """The resolved plan of either preset, read from the recipe and the corpus manifest only: no weights, no data."""
+    from dstrain.data import corpus
+    from dstrain.reproduce import stages as S
+
+    man = corpus.manifest(Path(args.corpus))
+    train_prompts = man.get("held_out", {}).get("train_prompts", man["records"])
+    if args.preset == "paper":
+        from dstrain.reproduce import paper as PP
+        from dstrain.reproduce.paper_run import make_config as paper_config
+
+        sizes = PP.QUICK if args.quick else PP.PaperSizes()
+        cfg = paper_config(args, sizes)
+        plan = PP.estimates(cfg, sizes, train_prompts)
+        what = (f"paper preset: {', '.join(PP.PAPER_FAMILIES)} × seeds {list(sizes.seeds)}, depth {PP.DEPTH}, block "
+                f"{sizes.block_size}, up to {sizes.epochs} epochs, held-out τ every epoch on {sizes.eval_per_domain} prompts "
+                f"per domain × {sizes.eval_new_tokens} tokens, stop after {sizes.patience} without a gain; benchmarks "
+                f"{sizes.bench_prompts} prompts × {sizes.bench_new_tokens} tokens")
+    else:
+        cfg = make_config(args)
+        plan = S.estimates(cfg, train_prompts)
+        what = (f"budget preset: {', '.join(cfg.families)}; {cfg.steps} steps; {cfg.curve_points} curve points × "
+                f"{cfg.curve_prompts} prompts per domain; benchmarks {cfg.eval_prompts} prompts × {cfg.max_new_tokens} tokens")
+    print(f"dstrain table --dry-run (nothing loaded, nothing written)\n  {what}\n  recipe {cfg.recipe}\n  corpus "
+          f"{cfg.corpus}: {train_prompts} training prompts\n  out {cfg.out}; feature cache {cfg.feature_cache or 'off'}; "
+          f"device {cfg.device}, {cfg.threads} thread(s) per process")
+    width = max(len(name) for name, _, _ in plan)
+    for name, kind, est in plan:
+        print(f"  {name:<{width}}  {kind:<5}  ~{S.fmt_s(est)}")
+    print(f"  ETA {S.fmt_s(sum(est for _, _, est in plan))} (first guess at one thread on {cfg.device}; the run refines it "
+          f"as stages finish)")
+    if cfg.out.exists():
+        print(f"  {cfg.out} exists: finished stages whose configuration is unchanged are reused (--no-resume redoes them)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     args.invocation = getattr(args, "invocation", (["dstrain", "table"], sys.argv[1:]))
     args.argv = args.invocation[1]  # the command line is recorded in results.json
+    if args.dry_run:
+        return dry_run(args)
     if args.preset == "paper":
         from dstrain.reproduce.paper_run import run_paper
 
