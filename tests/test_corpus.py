@@ -152,6 +152,20 @@ def test_demo_compares_held_out_tau_with_benchmark_tau():
     far = tau_agreement(results(1.80, chat=1.8), results(1.50, chat=1.5, code=1.5))  # a domain only one side has is left out
     assert not far["within_tolerance"] and far["ratio_by_domain"] == {"chat": 1.2}
     assert "outside ±10%" in agreement_line(far) and "within ±10%" in agreement_line(close)
+    # with per-prompt totals: intervals around both macro τ and their ratio (4 prompts a domain, τ = tokens / rounds)
+    import torch
+
+    def totals(per_prompt_tau):
+        rounds = torch.tensor([10.0, 12.0, 8.0, 10.0])
+        return {d: (rounds * torch.tensor(t), rounds) for d, t in per_prompt_tau.items()}
+
+    held = totals({"chat": [1.3, 1.5, 1.4, 1.4], "code": [1.5, 1.5, 1.5, 1.5], "math": [1.5, 1.7, 1.6, 1.6]})
+    bench = totals({"chat": [1.1, 1.3, 1.2, 1.2], "code": [1.4, 1.6, 1.5, 1.5], "math": [1.5, 1.5, 1.5, 1.5]})
+    a = tau_agreement(results(1.50, chat=1.4, code=1.5, math=1.6), results(1.40, chat=1.2, code=1.5, math=1.5), (held, bench))
+    for k, point in (("held_out_ci", 1.5), ("benchmark_ci", 1.4), ("ratio_ci", 1.5 / 1.4)):
+        assert a[k][0] <= point <= a[k][1] and a[k][1] - a[k][0] > 0.01, (k, a[k])
+    assert a["held_out_ci"][1] < 1.55 and a["prompts_per_domain"]["benchmark"] == {"chat": 4, "code": 4, "math": 4}
+    assert f"[{a['ratio_ci'][0]:.3f}, {a['ratio_ci'][1]:.3f}]" in agreement_line(a)
 
 
 def test_demo_runs_the_recipe_as_it_is_without_steps():

@@ -27,21 +27,45 @@ def held_out_line(results: dict) -> str:
     return ", ".join(f"{d} {v['tau']:.2f}" for d, v in sorted(res["domains"].items())) + f", macro {res['macro_tau']:.2f}"
 
 
-def tau_agreement(held_out: dict, benchmark: dict, tolerance: float = 0.10) -> dict:
+def tau_agreement(held_out: dict, benchmark: dict, totals: tuple[dict, dict] | None = None, tolerance: float = 0.10,
+                  samples: int = 2000) -> dict:
     """Held-out τ against benchmark τ of the same drafter and settings: is the held-out split a fair proxy for the
-    benchmarks (same macro τ within `tolerance`)? Per domain too: math ↔ GSM8K, code ↔ HumanEval, chat ↔ MT-Bench."""
+    benchmarks (same macro τ within `tolerance`)? Per domain too: math ↔ GSM8K, code ↔ HumanEval, chat ↔ MT-Bench.
+    `totals`: each side's per-prompt {domain: (tokens, rounds)}, for 95 % bootstrap intervals of both macro τ and of
+    their ratio (the two prompt sets are independent, so each is resampled on its own)."""
+    from dstrain.decoding.bootstrap import macro_samples, percentiles
+
     h, b = (next(iter(r["drafters"].values())) for r in (held_out, benchmark))
     ratio = h["macro_tau"] / b["macro_tau"]
     domains = {d: round(h["domains"][d]["tau"] / b["domains"][d]["tau"], 4) for d in sorted(h["domains"]) if d in b["domains"]}
-    return {"held_out_macro_tau": h["macro_tau"], "benchmark_macro_tau": b["macro_tau"], "ratio": round(ratio, 4),
-            "ratio_by_domain": domains, "tolerance": tolerance, "within_tolerance": abs(ratio - 1) <= tolerance}
+    out = {"held_out_macro_tau": h["macro_tau"], "benchmark_macro_tau": b["macro_tau"], "ratio": round(ratio, 4),
+           "ratio_by_domain": domains, "tolerance": tolerance, "within_tolerance": abs(ratio - 1) <= tolerance}
+    if totals:
+        (_, boot_h), (_, boot_b) = macro_samples(totals[0], samples, seed=0), macro_samples(totals[1], samples, seed=1)
+        out |= {"held_out_ci": percentiles(boot_h), "benchmark_ci": percentiles(boot_b),
+                "ratio_ci": percentiles(boot_h / boot_b), "prompts_per_domain": {
+                    "held_out": {d: len(t) for d, (t, _) in totals[0].items()},
+                    "benchmark": {d: len(t) for d, (t, _) in totals[1].items()}}}
+    return out
+
+
+def rollout_totals(eval_dir: Path) -> dict:
+    """Per-prompt (tokens, rounds) of each domain from `dstrain eval`'s rollouts.pt (one drafter)."""
+    import torch
+
+    from dstrain.decoding.bootstrap import prompt_totals
+
+    rollouts = next(iter(torch.load(eval_dir / "rollouts.pt", weights_only=False).values()))
+    return {d: prompt_totals(logs) for d, logs in rollouts.items()}
 
 
 def agreement_line(a: dict) -> str:
     verdict = "within" if a["within_tolerance"] else "outside"
     per = ", ".join(f"{d} {r:.2f}" for d, r in a["ratio_by_domain"].items())
-    return (f"held-out / benchmark macro τ = {a['held_out_macro_tau']:.3f} / {a['benchmark_macro_tau']:.3f} = "
-            f"{a['ratio']:.3f} ({verdict} ±{a['tolerance']:.0%}; by domain {per})")
+    ci = lambda k: f" [{a[k][0]:.3f}, {a[k][1]:.3f}]" if k in a else ""  # noqa: E731
+    return (f"held-out / benchmark macro τ = {a['held_out_macro_tau']:.3f}{ci('held_out_ci')} / "
+            f"{a['benchmark_macro_tau']:.3f}{ci('benchmark_ci')} = {a['ratio']:.3f}{ci('ratio_ci')} ({verdict} "
+            f"±{a['tolerance']:.0%}; by domain {per}; 95 % bootstrap over prompts)")
 
 
 def parser(prog: str | None) -> argparse.ArgumentParser:
@@ -157,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{stage}/7] {what}, T=1, {args.eval_new_tokens} new tokens): {held_out_line(summary[name])} "
               f"({timings[f'{name}_eval_s']:.0f}s; {out}/results.md)")
     if "held_out" in summary and "benchmark" in summary:
-        summary["held_out_vs_benchmark"] = tau_agreement(summary["held_out"], summary["benchmark"])
+        totals = (rollout_totals(run_dir / "held_out_eval"), rollout_totals(run_dir / "benchmark_eval"))
+        summary["held_out_vs_benchmark"] = tau_agreement(summary["held_out"], summary["benchmark"], totals)
         print(f"      {agreement_line(summary['held_out_vs_benchmark'])}")
     summary["timings"] = timings
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -35,14 +35,14 @@ def ratio_interval(tokens: torch.Tensor, rounds: torch.Tensor, samples: int = 20
         return {"tau": point, "lo": point, "hi": point, "prompts": len(tokens)}
     idx = _draws(len(tokens), samples, torch.Generator().manual_seed(seed))
     boot = tokens[idx].sum(1) / rounds[idx].sum(1).clamp(min=1e-12)
-    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
-    lo, hi = torch.quantile(boot, q).tolist()
+    lo, hi = percentiles(boot, level)
     return {"tau": point, "lo": lo, "hi": hi, "prompts": len(tokens)}
 
 
-def macro_interval(per_domain: dict[str, tuple[torch.Tensor, torch.Tensor]], samples: int = 2000, level: float = 0.95,
-                   seed: int = 0) -> dict:
-    """Macro τ (the mean of the domains' τ) with prompts resampled inside each domain (stratified)."""
+def macro_samples(per_domain: dict[str, tuple[torch.Tensor, torch.Tensor]], samples: int = 2000,
+                  seed: int = 0) -> tuple[float, torch.Tensor]:
+    """Macro τ (the mean of the domains' τ) and its bootstrap replicates, prompts resampled inside each domain
+    (stratified)."""
     gen = torch.Generator().manual_seed(seed)
     points, boots = [], []
     for tokens, rounds in per_domain.values():
@@ -50,9 +50,20 @@ def macro_interval(per_domain: dict[str, tuple[torch.Tensor, torch.Tensor]], sam
         points.append(float(tokens.sum() / rounds.sum().clamp(min=1e-12)))
         idx = _draws(len(tokens), samples, gen)
         boots.append(tokens[idx].sum(1) / rounds[idx].sum(1).clamp(min=1e-12))
-    boot = torch.stack(boots).mean(0)
-    lo, hi = torch.quantile(boot, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
-    return {"tau": sum(points) / len(points), "lo": lo, "hi": hi}
+    return sum(points) / len(points), torch.stack(boots).mean(0)
+
+
+def percentiles(boot: torch.Tensor, level: float = 0.95) -> tuple[float, float]:
+    lo, hi = torch.quantile(boot.double(), torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
+def macro_interval(per_domain: dict[str, tuple[torch.Tensor, torch.Tensor]], samples: int = 2000, level: float = 0.95,
+                   seed: int = 0) -> dict:
+    """Macro τ (the mean of the domains' τ) with prompts resampled inside each domain (stratified)."""
+    point, boot = macro_samples(per_domain, samples, seed)
+    lo, hi = percentiles(boot, level)
+    return {"tau": point, "lo": lo, "hi": hi}
 
 
 def paired_difference(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], samples: int = 2000,
@@ -63,7 +74,7 @@ def paired_difference(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tenso
         raise ValueError(f"paired bootstrap needs the same prompts ({len(ta)} vs {len(tb)})")
     idx = _draws(len(ta), samples, torch.Generator().manual_seed(seed))
     diff = ta[idx].sum(1) / ra[idx].sum(1).clamp(min=1e-12) - tb[idx].sum(1) / rb[idx].sum(1).clamp(min=1e-12)
-    lo, hi = torch.quantile(diff, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    lo, hi = percentiles(diff, level)
     point = float(ta.sum() / ra.sum().clamp(min=1e-12) - tb.sum() / rb.sum().clamp(min=1e-12))
     return {"diff": point, "lo": lo, "hi": hi}
 
@@ -88,5 +99,5 @@ def pooled_paired_difference(a: list[dict], b: list[dict], samples: int = 2000, 
         return torch.stack(per_seed).mean(0)
 
     diff = macro(a, True) - macro(b, True)
-    lo, hi = torch.quantile(diff, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    lo, hi = percentiles(diff, level)
     return {"diff": float(macro(a, False) - macro(b, False)), "lo": lo, "hi": hi, "level": level}
