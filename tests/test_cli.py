@@ -120,6 +120,19 @@ def test_table_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "manifest.json" in err
 
 
+def test_table_refuses_a_second_process_on_one_out(tmp_path):
+    """Two `dstrain table` processes on one OUT once wiped a training run mid-write (the second found no checkpoint
+    yet and started the stage clean): the second is refused in one line naming the holder; the lock goes with it."""
+    from dstrain.cli.table import hold_out_folder
+
+    held = hold_out_folder(tmp_path / "t", ["--out", "t"])
+    code, out, err = call("table", "--quick", "--out", str(tmp_path / "t"))
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
+    assert "another dstrain table" in err and f"pid {os.getpid()}" in err
+    held.close()  # released (a process's exit closes it too): the folder can be taken again
+    hold_out_folder(tmp_path / "t", []).close()
+
+
 def test_recipes_lists_every_shipped_yaml():
     code, text, _ = call("recipes")
     assert code == 0
