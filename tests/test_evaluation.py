@@ -122,3 +122,21 @@ def test_turn_prompts_on_a_tokenizer_without_a_chat_template_are_one_line():
     with pytest.raises(UserError, match="no chat template.*input_ids"):
         encode([{"id": "q1", "domain": "math", "turns": ["2 + 2?"]}], bare, 128)
     assert encode([{"id": "q2", "domain": "math", "input_ids": [1, 2]}], bare, 128) == [[1, 2]]
+
+
+def test_results_markdown_without_a_baseline_has_no_speedup_columns():
+    """`dstrain eval --no-baseline` (what make demo runs) printed a speedup column of nan×; positions no round
+    reached print a dash, not nan."""
+    from dstrain.decoding.evaluation import markdown
+
+    dom = {"tau": 1.25, "proposal_length": 5.0, "conditional_acceptance": [0.2, 0.1, float("nan")]}
+    results = {"target": "t", "temperature": 1.0, "max_new_tokens": 8, "batch": 2, "policy": "full", "baseline": {},
+               "drafters": {"d": {"gamma": 3, "trained_steps": 10, "macro_tau": 1.25, "domains": {"chat": dict(dom)}}}}
+    text = markdown(results)
+    assert "speedup" not in text and "nan" not in text and "0.20, 0.10, —" in text
+    header, rule, row = [line for line in text.splitlines() if line.startswith("|")]
+    assert header.count("|") == rule.count("|") == row.count("|")
+    results["baseline"] = {"chat": {"tokens_per_s": 10.0}}
+    results["drafters"]["d"]["domains"]["chat"]["speedup"] = 1.5
+    header, rule, row = [line for line in markdown(results).splitlines() if line.startswith("|")]
+    assert "chat speedup" in header and row.endswith("| 1.50× |") and header.count("|") == row.count("|")

@@ -68,21 +68,23 @@ def evaluate(target, candidates: list[Candidate], prompts: dict[str, list[list[i
 
 def markdown(results: dict) -> str:
     domains = sorted({d for r in results["drafters"].values() for d in r["domains"]})
-    head = "| drafter | γ | steps | " + " | ".join(f"{d} τ" for d in domains) + " | macro τ | proposal | " + \
-           " | ".join(f"{d} speedup" for d in domains) + " |"
+    timed = bool(results["baseline"])  # --no-baseline: no speedup columns (not a column of nan)
+    head = "| drafter | γ | steps | " + " | ".join(f"{d} τ" for d in domains) + " | macro τ | proposal |" + \
+           "".join(f" {d} speedup |" for d in domains if timed)
     lines = [f"Target {results['target']}, temperature {results['temperature']}, {results['max_new_tokens']} new tokens, "
              f"batch {results['batch']}, policy {results['policy']}.", "", head, "|" + "---|" * (head.count("|") - 1)]
     for name, res in results["drafters"].items():
         dom = res["domains"]
         taus = " | ".join(f"{dom[d]['tau']:.3f}" for d in domains)
         prop = sum(dom[d]["proposal_length"] for d in domains) / len(domains)
-        speed = " | ".join(f"{dom[d].get('speedup', float('nan')):.2f}×" for d in domains)
-        lines.append(f"| {name} | {res['gamma']} | {res['trained_steps']} | {taus} | {res['macro_tau']:.3f} | {prop:.2f} | {speed} |")
+        speed = "".join(f" {dom[d].get('speedup', float('nan')):.2f}× |" for d in domains if timed)
+        lines.append(f"| {name} | {res['gamma']} | {res['trained_steps']} | {taus} | {res['macro_tau']:.3f} | {prop:.2f} |{speed}")
     if results["baseline"]:
         lines += ["", "Target alone: " + ", ".join(f"{d} {results['baseline'][d]['tokens_per_s']:.1f} tok/s" for d in domains)]
     lines += ["", "Conditional acceptance by position (rounds with positions 1..k−1 accepted):", ""]
     for name, res in results["drafters"].items():
         for d in domains:
-            cond = ", ".join(f"{c:.2f}" for c in res["domains"][d]["conditional_acceptance"])
+            # nan: no round reached position k (every earlier one rejected) — shown as a dash
+            cond = ", ".join("—" if c != c else f"{c:.2f}" for c in res["domains"][d]["conditional_acceptance"])
             lines.append(f"- {name} / {d}: {cond}")
     return "\n".join(lines) + "\n"
