@@ -155,8 +155,12 @@ def test_reproduce_table_end_to_end_and_resume(tiny_world):
     p1 = res["position1"]["mtp"]
     assert set(res["position1"]) == {"mtp"} and p1["lo"] <= p1["diff"] <= p1["hi"]
     assert p1["diff"] == pytest.approx(p1["acceptance"] - p1["reference"])
+    vs = res["against_dspark"]["mtp"]  # one comparison: the Bonferroni interval is the 95 % one
+    assert set(res["against_dspark"]) == {"mtp"} and vs["comparisons"] == 1 and vs["ci95"] == pytest.approx(vs["corrected"])
+    assert vs["diff"] == pytest.approx(fams["mtp"]["macro"]["tau"] - fams["dspark-markov"]["macro"]["tau"])
+    assert vs["ci95"][0] <= vs["diff"] <= vs["ci95"][1]
     md = (out / "results.md").read_text()
-    assert "Position 1 against DSpark" in md
+    assert "Position 1 against DSpark" in md and "Every family against DSpark (Markov)" in md
     assert "DSpark (Markov)" in md and "MTP-1" in md and "GSM8K τ [95% CI]" in md and "reproduce_table.py" in md
     for png in ("tau_ci.png", "acceptance.png", "learning_curves.png"):
         assert (out / png).stat().st_size > 5000
