@@ -123,12 +123,16 @@ def test_table_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
 def test_table_refuses_a_second_process_on_one_out(tmp_path):
     """Two `dstrain table` processes on one OUT once wiped a training run mid-write (the second found no checkpoint
     yet and started the stage clean): the second is refused in one line naming the holder; the lock goes with it."""
-    from dstrain.cli.table import hold_out_folder
+    from dstrain.reproduce.out_lock import hold_out_folder
 
     held = hold_out_folder(tmp_path / "t", ["--out", "t"])
-    code, out, err = call("table", "--quick", "--out", str(tmp_path / "t"))
-    assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
-    assert "another dstrain table" in err and f"pid {os.getpid()}" in err
+    for preset in ("budget", "paper"):
+        code, out, err = call("table", "--preset", preset, "--quick", "--out", str(tmp_path / "t"))
+        assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
+        assert "another dstrain table" in err and f"pid {os.getpid()}" in err
+    # a mistake is refused before the folder is taken: nothing is left behind
+    code, _, err = call("table", "--families", "nonesuch", "--out", str(tmp_path / "new"))
+    assert code == 2 and "--families" in err and not (tmp_path / "new").exists()
     held.close()  # released (a process's exit closes it too): the folder can be taken again
     hold_out_folder(tmp_path / "t", []).close()
 

@@ -106,29 +106,6 @@ def make_config(args):
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, argv=list(args.argv), **sizes)
 
 
-def hold_out_folder(out: Path, argv: list[str]):
-    """One `dstrain table` per OUT: two processes on one folder would each take a stage the other has not finished
-    (the second wipes a training run the first is writing) — refused in one line instead. The lock is an flock on
-    OUT/.table.lock, released when the process ends, however it ends."""
-    import fcntl
-
-    out.mkdir(parents=True, exist_ok=True)
-    fh = open(out / ".table.lock", "a+")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        holder = fh.read().strip() or "another process"
-        fh.close()
-        raise UserError(f"--out {out}: another dstrain table is writing there ({holder}); wait for it to finish, or give "
-                        "another --out") from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"pid {os.getpid()}: dstrain table {' '.join(map(shlex.quote, argv))}")
-    fh.flush()
-    return fh
-
-
 def dry_run(args: argparse.Namespace) -> int:
     """The resolved plan of either preset, read from the recipe and the corpus manifest only: no weights, no data."""
     from dstrain.data import corpus
@@ -171,7 +148,6 @@ def run(args: argparse.Namespace) -> int:
     args.argv = args.invocation[1]  # the command line is recorded in results.json
     if args.dry_run:
         return dry_run(args)
-    lock = hold_out_folder(Path(args.out), args.argv)  # noqa: F841  (held until this process exits)
     if args.preset == "paper":
         from dstrain.reproduce.paper_run import run_paper
 
@@ -182,9 +158,11 @@ def run(args: argparse.Namespace) -> int:
     from dstrain.data import corpus
     from dstrain.recipe import load_recipe
     from dstrain.reproduce import report, stages as S
+    from dstrain.reproduce.out_lock import hold_out_folder
     from dstrain.targets import target_folder
 
     cfg = make_config(args)
+    lock = hold_out_folder(cfg.out, args.argv)  # noqa: F841  (held until this process exits)
     import torch
 
     torch.set_num_threads(cfg.threads)  # the evaluations run in this process; training runs get OMP_NUM_THREADS

@@ -40,10 +40,12 @@ def run_paper(args) -> int:
     from dstrain.data import corpus
     from dstrain.recipe import load_recipe
     from dstrain.reproduce import paper as PP, stages as S
+    from dstrain.reproduce.out_lock import hold_out_folder
     from dstrain.targets import target_folder
 
     sizes = PP.QUICK if args.quick else PP.PaperSizes()
     cfg = make_config(args, sizes)
+    lock = hold_out_folder(cfg.out, args.argv)  # noqa: F841  (held until this process exits)
     torch.set_num_threads(cfg.threads)
     cfg.out.mkdir(parents=True, exist_ok=True)
     recipe = load_recipe(cfg.recipe, [f"data.shards={cfg.out / 'data' / 'shards'}", f"run.seed={cfg.seed}"])
