@@ -28,17 +28,24 @@ import numpy as np
 import torch
 
 from dstrain.data.shards import MANIFEST, SCHEMA_VERSION, read_tar
+from dstrain.data.verify import verify_files
 from dstrain.errors import UserError
 
 
 def load_manifest(folder: str | Path, expect_target: str | None = None, expect_fingerprint: str | None = None) -> dict:
-    """Read and check a shard folder's manifest: schema, target, tokenizer, every shard present and whole."""
+    """Read and check a shard folder's manifest: schema, target, tokenizer, every shard present and unaltered."""
     folder = Path(folder)
     path = folder / MANIFEST
-    if not path.is_file():
-        raise UserError(f"data.shards {folder}: no {MANIFEST} there; build shards with dstrain data shards")
-    try:
+    try:  # is_file() raises, not returns False, on a folder this user may not enter (mode 000)
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"data.shards {folder}: a file, not a folder; point data.shards at the folder"
+                            " dstrain data shards wrote")
+        if not path.is_file():
+            raise UserError(f"data.shards {folder}: no {MANIFEST} there; build shards with dstrain data shards")
         man = json.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"data.shards {folder}: cannot read {exc.filename or path} ({exc.strerror or exc}); make the"
+                        " folder and its files readable by this user, or point data.shards at a readable copy") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: not valid JSON ({exc}); rebuild with dstrain data shards") from None
     if man.get("schema_version") != SCHEMA_VERSION:
@@ -50,13 +57,9 @@ def load_manifest(folder: str | Path, expect_target: str | None = None, expect_f
     if expect_fingerprint is not None and fp != expect_fingerprint:
         raise UserError(f"{path}: shards were tokenized with tokenizer {fp}, the target's tokenizer is {expect_fingerprint};"
                         " rebuild with dstrain data shards and this target")
-    for shard in man["shards"]:
-        f = folder / shard["file"]
-        if not f.is_file():
-            raise UserError(f"shard {f} listed in {MANIFEST} is missing; copy it back or rebuild the shards")
-        size = f.stat().st_size
-        if size != shard["bytes"]:
-            raise UserError(f"shard {f} is truncated or altered ({size} bytes, manifest says {shard['bytes']}); rebuild the shards")
+    # every shard whole and unaltered before training reads it (sha256, cached by size and mtime)
+    verify_files(folder, man["shards"], what="shard", listed_in=str(path),
+                 fix=f"restore the file or rebuild the shards with dstrain data shards --out {folder} --overwrite")
     return man
 
 

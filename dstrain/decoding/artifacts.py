@@ -82,6 +82,9 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
         run, tag = folder.parent.parent, folder.name  # one checkpoint of a run: RUN/checkpoints/step-N or RUN/checkpoints/best
         if not (run / RUN_RECIPE).is_file():
             raise UserError(f"{run}: no {RUN_RECIPE}; pass the run folder with --recipe RECIPE instead")
+        from dstrain.data.verify import verify_checkpoint
+
+        verify_checkpoint(folder)  # named directly, it has not been through a resume's check
         return run_artifact(run, yaml.safe_load((run / RUN_RECIPE).read_text()), tag, name if name != tag else run.name)
     if (folder / "checkpoints").is_dir():
         from dstrain.train import checkpoint
