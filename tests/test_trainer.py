@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,102 @@ def test_two_data_parallel_ranks_equal_one_process(tmp_path, tiny_shards):
     a, b = losses(tmp_path / "one" / "tiny-moe-dspark"), losses(tmp_path / "two" / "tiny-moe-dspark")
     for step in range(1, 5):
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints moved aside
+class FakeEngine:
+    """What checkpoint.save asks of a DeepSpeed engine: one states file per checkpoint, its bytes set by the step."""
+
+    def save_checkpoint(self, folder, tag, client_state, save_latest):
+        out = Path(folder) / tag
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "mp_rank_00_model_states.pt").write_bytes(bytes([client_state["step"] % 256]) * 4096)
+
+
+def saved(ckpt, *steps, keep=3):
+    from dstrain.train import checkpoint
+
+    for step in steps:
+        checkpoint.save(FakeEngine(), ckpt, step, {"step": step, "loader": {}}, keep, is_writer=True)
+
+
+def truncate(ckpt, tag):
+    victim = ckpt / tag / "mp_rank_00_model_states.pt"
+    victim.write_bytes(victim.read_bytes()[:100])
+    return victim.read_bytes()
+
+
+def resume_tag(ckpt):
+    """What a relaunch's rank 0 picks (launch.preflight), with the lines it says."""
+    from dstrain.train import checkpoint
+
+    lines = []
+    return checkpoint.select(ckpt, say=lines.append, quarantine_damaged=True), lines
+
+
+def test_damaged_newest_checkpoint_is_moved_aside_once_and_latest_names_the_good_one(tmp_path):
+    """select() on a folder whose newest checkpoint is truncated resumes from the one before, moves the damaged one to
+    checkpoints/rejected/ in the same one line, and points `latest` at the good one; asked again, it says nothing and
+    picks the same. A second process finding it already moved is no error. Readers (export, eval) only pass over it."""
+    from dstrain.train import checkpoint
+
+    ckpt = tmp_path / "checkpoints"
+    saved(ckpt, 4, 8, 12)
+    damaged = truncate(ckpt, "step-12")
+    assert checkpoint.select(ckpt, say=lambda line: None) == "step-8" and (ckpt / "step-12").is_dir()  # a reader
+    tag, lines = resume_tag(ckpt)
+    assert tag == "step-8" and len(lines) == 1, lines
+    assert "step-12 is damaged" in lines[0] and "truncated" in lines[0] and "rejected/step-12-truncated" in lines[0]
+    assert not (ckpt / "step-12").exists() and (ckpt / "latest").read_text() == "step-8"
+    assert (ckpt / "rejected" / "step-12-truncated" / "mp_rank_00_model_states.pt").read_bytes() == damaged
+    assert resume_tag(ckpt) == ("step-8", [])
+    assert checkpoint.quarantine(ckpt, "step-12", "truncated") is None  # the other process of a race: nothing left
+
+
+def test_kill_before_the_damaged_step_is_reached_again_resumes_from_the_same_good_one(tmp_path):
+    """The chaos sequence at the folder level: step-20 truncated, the relaunch resumes from step-16, is killed at
+    step 19 (no save), the next relaunch resumes from step-16 again, silently, and tools/chaos.py expects exactly
+    that. Then step-20 saved again and damaged again: both damaged copies kept, neither ever picked."""
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("chaos", ROOT / "tools" / "chaos.py")
+    chaos = module_from_spec(spec)
+    spec.loader.exec_module(chaos)
+    ckpt = tmp_path / "checkpoints"
+    saved(ckpt, 12, 16, 20)
+    truncate(ckpt, "step-20")
+    assert chaos.resume_point(ckpt, "step-20") == 16
+    assert resume_tag(ckpt)[0] == "step-16"
+    # killed at step 19: nothing saved; chaos reads its expectation for the next relaunch from the folder
+    assert chaos.resume_point(ckpt, None) == 16 and chaos.quarantined(ckpt, "step-20", 0)
+    assert resume_tag(ckpt) == ("step-16", [])
+    saved(ckpt, 20)  # the relaunch trains past step 20 this time
+    assert resume_tag(ckpt) == ("step-20", []) and chaos.resume_point(ckpt, None) == 20
+    truncate(ckpt, "step-20")
+    tag, lines = resume_tag(ckpt)
+    assert tag == "step-16" and "rejected/step-20-truncated-2" in lines[0], lines
+    assert sorted(p.name for p in (ckpt / "rejected").iterdir()) == ["step-20-truncated", "step-20-truncated-2"]
+
+
+def test_moved_aside_checkpoints_are_never_picked_counted_or_pruned(tmp_path):
+    """keep_checkpoints counts good checkpoints only, pruning never deletes a damaged one that was moved aside, and no
+    later choice, however many saves and damages follow, returns one."""
+    ckpt = tmp_path / "checkpoints"
+    saved(ckpt, 2, 4, 6, keep=2)
+    truncate(ckpt, "step-6")
+    assert resume_tag(ckpt)[0] == "step-4"
+    saved(ckpt, 6, 8, 10, 12, keep=2)
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-10", "step-12"]  # two good ones kept
+    truncate(ckpt, "step-12")
+    truncate(ckpt, "step-10")
+    from dstrain.errors import UserError
+
+    with pytest.raises(UserError, match="no good checkpoint"):  # none good: nothing moved, the user decides
+        resume_tag(ckpt)
+    assert (ckpt / "step-10").is_dir() and (ckpt / "step-12").is_dir()
+    saved(ckpt, 14, keep=2)
+    assert resume_tag(ckpt)[0] == "step-14"
+    saved(ckpt, 16, 18, keep=1)
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-18"]
+    assert sorted(p.name for p in (ckpt / "rejected").iterdir()) == ["step-6-truncated"]
+    assert (ckpt / "rejected" / "step-6-truncated" / "mp_rank_00_model_states.pt").stat().st_size == 100

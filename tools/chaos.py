@@ -11,7 +11,10 @@ uninterrupted run's exactly (fp32, CPU), and the samples that trained the final 
 streamed copy) are the first ones of the data stream, each exactly once. Every streamed copy of every sample is
 counted: each attempt streams a contiguous run of steps starting right after the checkpoint it resumed from (which
 its trainer names: "resumed from step N"), N is the checkpoint the attempt should have resumed from (the latest, or
-the one before a corrupted latest), and a step streamed twice carries the same samples both times. A run that
+the newest good one before a corrupted latest), and a step streamed twice carries the same samples both times. The
+relaunch after a corruption must move the damaged checkpoint into checkpoints/rejected/ and point `latest` at the good
+one, so every later expectation (read from `latest` and the step-N folders) follows that quarantine: a kill before
+the corrupted step is reached again resumes from the same good checkpoint. A run that
 ignored its checkpoint and restarted at step 0 writes the same losses and weights (training is deterministic), so
 only these checks tell it apart.
 
@@ -128,12 +131,25 @@ def streamed(run: Path) -> list[tuple[int, list[str]]]:
 
 
 def resume_point(ckpt: Path, corrupted: str | None) -> int:
-    """The step a relaunch must resume from: the latest checkpoint, or the newest one before a corrupted latest."""
+    """The step a relaunch must resume from: the latest checkpoint, or the newest one before a corrupted latest (one
+    corrupted earlier is in checkpoints/rejected/ by now, and `latest` names the good one: see quarantined)."""
     if not (ckpt / "latest").exists():
         return 0
     steps = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if p.name.split("-")[1].isdigit())
     good = [s for s in steps if f"step-{s}" != corrupted and s <= int((ckpt / "latest").read_text().strip().split("-")[1])]
     return good[-1] if good else 0
+
+
+def rejected(ckpt: Path, tag: str) -> int:
+    """How many copies of checkpoint `tag` have been moved aside as damaged."""
+    return len(list((ckpt / "rejected").glob(f"{tag}-*")))
+
+
+def quarantined(ckpt: Path, tag: str, before: int) -> bool:
+    """The relaunch moved damaged checkpoint `tag` aside (one more copy than `before`) and `latest` no longer names
+    it, unless it has been saved again since (the damaged one is gone from there, so one there now is new)."""
+    named = (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None
+    return rejected(ckpt, tag) > before and (named != tag or (ckpt / tag).is_dir())
 
 
 def check_copies(records: list, cuts: list[int], resumed: list[int], expected: list[int], steps: int) -> list[str]:
@@ -214,6 +230,7 @@ def main() -> int:
             ckpt = run_dir / "checkpoints"
             latest = (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None
             corrupted = latest
+            moved_before = rejected(ckpt, latest) if latest else 0
             if latest is None:
                 what = "no checkpoint yet to corrupt"
             else:
@@ -254,6 +271,9 @@ def main() -> int:
             detected = time.time()
             if not damage_named:
                 print(f"chaos: fault {i + 1}: the relaunch never said {corrupted} is damaged")
+            elif not wait_until(lambda: quarantined(run_dir / "checkpoints", corrupted, moved_before), 30, proc):
+                damage_named = False
+                print(f"chaos: fault {i + 1}: the relaunch did not move {corrupted} into checkpoints/rejected/")
         ok = wait_until(lambda: training_since(run_dir, started) and max(steps_logged(run_dir), default=0) > 0, 300, proc)
         ok = ok and damage_named
         resumed.append(said_resumed(out / "launcher.log", relaunch_at))

@@ -9,7 +9,9 @@ checkpoint that is still intact.
 
 Loading verifies the manifest (every file present, same size, same checksum). A truncated or altered
 checkpoint is reported in one line and the newest older good one is used; none good is a one-line
-error (exit 2). The client state holds the step, the loader position and every RNG, so a resumed run
+error (exit 2). The resuming process (rank 0) moves a checkpoint it passed over aside into
+`ckpt/rejected/` (kept, never deleted) and points `latest` at the good one, so the damaged one is not
+met again by the next resume, by pruning or by anyone reading `latest`. The client state holds the step, the loader position and every RNG, so a resumed run
 continues exactly where the saved one was.
 """
 
@@ -32,6 +34,8 @@ from dstrain.errors import UserError
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
+MISSING = "is missing"
+REJECTED = "rejected"  # damaged checkpoints moved aside: not named step-*, so never selected, pruned or counted
 
 
 def rng_state() -> dict:
@@ -57,9 +61,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: Path, step: int, world: dict, data: dict) -> dict:
+def write_manifest(folder: Path, step: int, world: dict, data: dict, architecture: dict | None = None) -> dict:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
     man = {"version": MANIFEST_VERSION, "step": step, "world": world, "data": data,
+           "architecture": architecture,  # the recipe keys a resume must keep (train/resume_check.py)
            "files": {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
     tmp = folder / f".{MANIFEST}.tmp"
     with open(tmp, "w") as f:
@@ -109,7 +114,7 @@ def _free_bytes(path: Path) -> int:
 
 
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, is_writer: bool, group=None,
-         world: dict | None = None) -> Path:
+         world: dict | None = None, architecture: dict | None = None) -> Path:
     """`group`: the ranks that hold drafter state (all of them in a colocated run)."""
     tag = f"step-{step}"
     staging = ckpt_dir / f".tmp-{tag}"
@@ -127,13 +132,11 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, is_wr
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
         _barrier(group)
         if is_writer:
-            write_manifest(staging / tag, step, world or {}, client_state.get("loader", {}))
+            write_manifest(staging / tag, step, world or {}, client_state.get("loader", {}), architecture)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staging / tag, final)
             shutil.rmtree(staging, ignore_errors=True)
-            tmp = ckpt_dir / ".latest.tmp"
-            tmp.write_text(tag)
-            os.replace(tmp, ckpt_dir / "latest")
+            write_latest(ckpt_dir, tag)
     except OSError as exc:
         full = exc.errno == errno.ENOSPC or _free_bytes(ckpt_dir) < FULL_BELOW
         shutil.rmtree(staging, ignore_errors=True)
@@ -149,6 +152,12 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, is_wr
     return final
 
 
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    tmp = ckpt_dir / f".latest.tmp-{os.getpid()}"  # per process: two resuming processes never share a temp file
+    tmp.write_text(tag)
+    os.replace(tmp, ckpt_dir / "latest")
+
+
 def latest_tag(ckpt_dir: Path) -> str | None:
     f = ckpt_dir / "latest"
     try:
@@ -157,9 +166,45 @@ def latest_tag(ckpt_dir: Path) -> str | None:
         return None
 
 
-def select(ckpt_dir: Path, say=None) -> str | None:
+def _reason(problem: str) -> str:
+    """A verify() phrase as a short folder-name suffix."""
+    for word, short in (("truncated", "truncated"), ("altered", "altered"), ("is missing", "incomplete"),
+                        (f"no {MANIFEST}", "no-manifest")):
+        if word in problem:
+            return short
+    return "bad-manifest"
+
+
+def quarantine(ckpt_dir: Path, tag: str, problem: str) -> Path | None:
+    """Move damaged checkpoint `tag` to ckpt_dir/rejected/<tag>-<reason>[-n]. Returns where it went, or None when it
+    is not there (another process moved it first) or cannot be moved (then it is only passed over, as before)."""
+    rejected = ckpt_dir / REJECTED
+    try:
+        rejected.mkdir(exist_ok=True)
+    except OSError:
+        return None
+    base = f"{tag}-{_reason(problem)}"
+    for n in range(1, 1000):
+        dest = rejected / (base if n == 1 else f"{base}-{n}")
+        if dest.exists():  # the same step rejected before (saved again, damaged again): keep both
+            continue
+        try:
+            os.rename(ckpt_dir / tag, dest)  # atomic; a directory never replaces a non-empty one
+            return dest
+        except FileNotFoundError:  # another process looking at the same time moved it first
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):  # e.g. a read-only folder
+                return None
+            # the name was taken meanwhile: try the next one
+    return None
+
+
+def select(ckpt_dir: Path, say=None, quarantine_damaged: bool = False) -> str | None:
     """The checkpoint to resume from: the one `latest` names if it verifies, else the newest older one that does.
-    Each one passed over is reported in one line; none good (but some present) is a one-line error."""
+    Each one passed over is reported in one line; none good (but some present) is a one-line error, and nothing is
+    moved (starting over must stay the user's decision). `quarantine_damaged` (the resuming process only: readers of
+    a live run must not rename its folders) moves those passed over into rejected/ and points `latest` at the pick."""
     say = say or (lambda line: print(f"dstrain: {line}", file=sys.stderr, flush=True))
     named = latest_tag(ckpt_dir)
     present = sorted((p.name for p in ckpt_dir.glob("step-*") if p.is_dir()), key=lambda t: -int(t.split("-")[1]))
@@ -169,23 +214,36 @@ def select(ckpt_dir: Path, say=None) -> str | None:
     bad = []
     for tag in order:
         folder = ckpt_dir / tag
-        problem = "is missing" if not folder.is_dir() else verify(folder)
+        problem = MISSING if not folder.is_dir() else verify(folder)
         if folder.is_dir() and not (folder / MANIFEST).exists() and any(folder.iterdir()):
             say(f"checkpoint {folder} was written before checkpoint manifests: loading it unverified")
             problem = None
         if problem is None:
             if bad:
-                say(f"checkpoint {ckpt_dir / bad[0][0]} is damaged ({bad[0][1]}); resuming from the previous good one, "
-                    f"{folder}" + (f" ({len(bad) - 1} more damaged passed over)" if len(bad) > 1 else ""))
+                moved = ""
+                if quarantine_damaged:
+                    moved = _quarantine_all(ckpt_dir, bad, tag)
+                say(f"checkpoint {ckpt_dir / bad[0][0]} is damaged ({bad[0][1]}){moved}; resuming from the previous good"
+                    f" one, {folder}" + (f" ({len(bad) - 1} more damaged passed over)" if len(bad) > 1 else ""))
             return tag
         bad.append((tag, problem))
     raise UserError(f"no good checkpoint in {ckpt_dir}: " + "; ".join(f"{t}: {p}" for t, p in bad)
                     + f"; restore one, or move {ckpt_dir} away to start over")
 
 
-def latest(ckpt_dir: Path) -> str | None:
+def _quarantine_all(ckpt_dir: Path, bad: list, good: str) -> str:
+    """Move every damaged one aside and name the good one in `latest`; what to add to the line about the first."""
+    moved = [None if p == MISSING else quarantine(ckpt_dir, t, p) for t, p in bad]
+    try:
+        write_latest(ckpt_dir, good)
+    except OSError:  # a read-only folder: resuming still works, the damaged one is only passed over again next time
+        pass
+    return f"; moved aside to {moved[0]} (kept, never deleted)" if moved[0] else ""
+
+
+def latest(ckpt_dir: Path, quarantine_damaged: bool = False) -> str | None:
     """The verified checkpoint to resume from (see select)."""
-    return select(ckpt_dir)
+    return select(ckpt_dir, quarantine_damaged=quarantine_damaged)
 
 
 def load(engine, ckpt_dir: Path, tag: str) -> dict:
