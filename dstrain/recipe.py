@@ -34,7 +34,8 @@ class RunConfig(Section):
                                                                  " folder, online (needs an API key) or disabled;"
                                                                  " metrics.jsonl is written in every mode")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="colocated runs: auto = CUDA when torch sees a GPU (one per rank, cuda:LOCAL_RANK), else CPU")
+        "auto", description="auto = CUDA when torch sees a GPU (one per rank, cuda:LOCAL_RANK; the ranks of a disaggregated "
+        "run share them when a node runs more ranks than it has GPUs), else CPU")
     stall_timeout_s: float = Field(60.0, gt=0.0, description="multi-rank runs: the floor of the stall bound; a rank"
                                    " whose step/phase (or heartbeat) does not move for max(this, stall_factor x its slowest"
                                    " recent step) is named and the job exits (runtime/watchdog.py)")
@@ -394,9 +395,14 @@ def parse_recipe(tree: dict, source: str = "<recipe>") -> Recipe:
     try:
         return Recipe.model_validate(tree)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        more = f" [+{exc.error_count() - 1} more]" if exc.error_count() > 1 else ""
-        raise UserError(f"recipe {source}: {_describe(first)}{more}") from None
+        errors = exc.errors()
+        # every missing key in one go (an empty recipe lacks several: naming one hides the rest), then the first other error
+        missing = [_describe(e).removeprefix("missing required key ") for e in errors if e["type"] == "missing"]
+        others = [e for e in errors if e["type"] != "missing"]
+        parts = [f"missing required key{'s' if len(missing) > 1 else ''} {', '.join(missing)}"] if missing else []
+        parts += [_describe(e) for e in others[:1]]
+        more = f" [+{len(others) - 1} more]" if len(others) > 1 else ""
+        raise UserError(f"recipe {source}: {'; '.join(parts)}{more}") from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

@@ -46,7 +46,7 @@ def test_uncached_hub_id_is_one_line(hub_cache):
         path_recipe("acme/tiny-moe", "target.hf_config=null")
     msg = str(err.value)
     assert msg.startswith("target.path=acme/tiny-moe: not a local folder and not in the Hugging Face cache")
-    assert str(hub_cache) in msg and "huggingface-cli download acme/tiny-moe" in msg and "\n" not in msg
+    assert str(hub_cache) in msg and "`hf download acme/tiny-moe`" in msg and "\n" not in msg
 
 
 def test_uncached_hub_id_still_plans_from_hf_config(hub_cache):

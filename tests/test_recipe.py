@@ -120,3 +120,13 @@ def test_bad_files(tmp_path):
 
 def test_main_help():
     assert "--dry-run" in run_tool("dstrain/main.py", "--help").stdout
+
+
+def test_empty_recipe_names_every_missing_key(tmp_path):
+    """An empty recipe once named only 'target' ('[+1 more]' hid 'data'): every missing key is in the one line."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(UserError) as err:
+        load_recipe(empty)
+    msg = str(err.value)
+    assert "missing required keys 'target', 'data'" in msg and "more]" not in msg, msg

@@ -66,6 +66,9 @@ def _dispatch(table: Table, words: list[str], argv: list[str]) -> int:
         ap.add_argument("--version", action="version", version=f"dstrain {__version__}")
     ap.add_argument("command", choices=list(table), metavar="COMMAND", help=", ".join(table))
     ap.add_argument("args", nargs=argparse.REMAINDER, help="the command's own arguments")
+    if not argv:  # argparse would say only "required: COMMAND, args"; show what the commands are
+        print(ap.format_help(), end="", file=sys.stderr)
+        return 2
     ns = ap.parse_args(argv)
     entry = table[ns.command]
     if isinstance(entry, dict):

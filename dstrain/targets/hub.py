@@ -1,7 +1,8 @@
 """`target.path` as a Hugging Face hub id (`org/name`), resolved from the local Hugging Face cache only.
 
 Nothing is downloaded at run time (clusters often have no route out, and every rank would race for it):
-the user fetches once with `huggingface-cli download org/name` and recipes can then name the model.
+the user fetches once with `hf download org/name` (huggingface_hub 1.0 and later ship `hf`, no longer
+`huggingface-cli`) and recipes can then name the model.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def cached_snapshot(repo_id: str) -> str | None:
 
 def not_found_message(path: str) -> str:
     return (f"target.path={path}: not a local folder and not in the Hugging Face cache ({hub_cache_dir()}); "
-            f"download it with `huggingface-cli download {path}` or give a folder")
+            f"download it with `hf download {path}` or give a folder")
 
 
 def resolve_target_path(path: str, required: bool) -> str:
