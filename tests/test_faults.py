@@ -133,6 +133,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_good_one(shards, t
     assert json.loads((run / "summary.json").read_text())["resumed_from"] == 2
     assert metrics(run) == reference  # steps 3-4 redone (the log is rewritten past the checkpoint), bit-equal
     assert (ckpts / "step-2" / MANIFEST).stat().st_mtime_ns == step2_written  # resumed from it, not from scratch
+    assert "moved aside" in notes[0] and verify(ckpts / "rejected" / "step-4-truncated") is not None  # kept aside
     # alter one byte of the (rewritten) latest and truncate the other: nothing good is left
     name = next(iter(json.loads((ckpts / "step-4" / MANIFEST).read_text())["files"]))
     data = bytearray((ckpts / "step-4" / name).read_bytes())
@@ -381,17 +382,19 @@ def test_chaos_run_survives_a_kill_a_stop_and_a_corrupted_checkpoint(tmp_path):
 
 def test_preemption_notice_only_sets_a_flag_that_the_step_boundary_reads():
     """USR1 (Slurm's notice, runtime/preemption.py) must not end the process: the handler sets a flag and
-    agreed() reads it at the next step boundary (one process: no collective). Mutation caught: no handler
-    installed (USR1's default action kills this test process)."""
+    agreed() reads it at the next step boundary (one process: no collective), where it asks for exit code 0 (the
+    batch script requeues). Mutation caught: no handler installed (USR1's default action kills this test process)."""
     from dstrain.runtime import preemption
 
-    before = signal.getsignal(preemption.NOTICE)
+    before = {s: signal.getsignal(s) for s in (preemption.NOTICE, *preemption.STOPS)}
     try:
         preemption.install()
         assert not preemption.requested() and not preemption.agreed()
         os.kill(os.getpid(), preemption.NOTICE)
         time.sleep(0.05)  # Python runs the handler at the main thread's next bytecode
-        assert preemption.requested() and preemption.agreed()
+        assert preemption.agreed() == preemption.NOTICE_CODE and preemption.exit_code(preemption.agreed()) == 0
+        assert preemption.describe(preemption.agreed()) == "preemption notice"
     finally:
-        signal.signal(preemption.NOTICE, before)
-        preemption._REQUESTED["flag"] = False
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        preemption.reset()

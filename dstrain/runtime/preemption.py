@@ -1,57 +1,147 @@
-"""A checkpoint before the job goes: Slurm's notice (USR1 120 s before the time limit, or at preemption with
-`PreemptParameters=send_user_signal`) reaches every training process (slurm/train_dspark_moe.sh forwards it to the
-job step), and the run saves at the next step boundary instead of losing up to `train.checkpoint_every` steps.
+"""Stopping with a checkpoint: Slurm's notice (USR1), Ctrl-C (SIGINT) and SIGTERM all save at the next step boundary.
 
-- The handler only sets a flag: no work inside a signal handler (the main thread may be inside a collective).
-- At each step boundary the drafter ranks agree: a MAX all-reduce of the flag over a gloo group of the drafters
-  (one int per step, on the host: no device sync; a rank whose signal landed a moment later still saves the same step as the others).
-- Every drafter rank takes part in the collective save of that step, then the main one sets a key in the rendezvous
-  store; the target ranks' watchdog threads see it and end their processes with code 0 (their main threads may be
-  blocked sending micro-batches no drafter will take).
-- Every process exits 0: a non-zero worker would make torchrun restart the group inside the allocation that is
-  about to end. The batch script, which caught the signal itself, requeues the job; the requeued job resumes from
-  the checkpoint with the loader's position in it, so no sample is lost or repeated.
+- USR1 (Slurm's notice 120 s before the limit, or at preemption; slurm/train_dspark_moe.sh forwards it): save, every
+  process exits 0 (a non-zero worker would make torchrun restart the group inside an allocation about to end), and
+  the batch script requeues the job.
+- SIGINT / SIGTERM once training has started: save, exit with 128 + the signal's number. A repeat more than
+  REPEAT_S after the first stops at once, without a checkpoint; a repeat sooner is the same request delivered twice
+  (the terminal and torchrun both forward Ctrl-C; scancel and the agent both send SIGTERM). Before training starts
+  (loading, compiling) they stop at once, as without dstrain.
+- Handlers only set a flag; a listener thread fed by signal.set_wakeup_fd sees each signal at once, even while the
+  main thread is blocked inside a collective, so a repeat or a launcher's teardown is never held up by the step.
+- At each step boundary the drafter ranks agree: a MAX all-reduce of the flag over a gloo group of the drafters (one
+  int per step, on the host: no device sync). A signal that reached only some rank (a target, say) reaches the others
+  through the rendezvous store (watchdog.py), so every drafter saves the same step.
+- After the save the main drafter sets a store key; the target ranks' watchdog threads end their processes with the
+  same exit code (their main threads may be blocked sending micro-batches no drafter will take).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 NOTICE = signal.SIGUSR1
-_REQUESTED = {"flag": False}
+STOPS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_S = 1.0
+NOTICE_CODE = 1  # the flag: 0 nothing, 1 the notice, else the stop signal's number (stops outrank the notice)
+_STATE: dict = {"flag": 0, "armed": False, "first": None, "listener": None}
+
+
+def _say(line: str) -> None:
+    print(f"dstrain: {line}", file=sys.stderr, flush=True)
 
 
 def _on_notice(_signum, _frame) -> None:
-    _REQUESTED["flag"] = True
+    _STATE["flag"] = max(_STATE["flag"], NOTICE_CODE)
+
+
+def _on_stop(signum, _frame) -> None:
+    """The main thread's handler: before training, the signal's usual effect; after, the listener acts."""
+    if not _STATE["armed"]:
+        from dstrain.runtime import watchdog
+
+        if watchdog.active():  # a multi-process run: its launcher is tearing the group down, or the user is
+            watchdog.record_failure(f"stopped by signal {signal.Signals(signum).name} (before training started)")
+            os._exit(128 + signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
 
 
 def install() -> None:
-    """On every rank before anything slow: USR1's default action would end the process without a checkpoint."""
+    """On every rank, from the main thread, before anything slow: USR1's default action would end the process
+    without a checkpoint."""
     signal.signal(NOTICE, _on_notice)
+    for s in STOPS:
+        signal.signal(s, _on_stop)
+    if _STATE["listener"] is None:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        _STATE["listener"] = threading.Thread(target=_listen, args=(read,), daemon=True, name="dstrain-signals")
+        _STATE["listener"].start()
 
 
-def requested() -> bool:
-    return _REQUESTED["flag"]
+def arm() -> None:
+    """From here on a stop signal means: checkpoint at the next step boundary (the trainer's loop, a target serving)."""
+    _STATE["armed"] = True
 
 
-def agreed(group=None) -> bool:
-    """Whether any drafter rank has the notice: called by every drafter rank at the same step boundary. `group` is
-    a gloo group over the drafters (World.drafter_host_group): a CPU flag read back on a CUDA run would make the
-    host wait for the GPU's queued work every step."""
-    flag = torch.tensor([int(_REQUESTED["flag"])])
+def _listen(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        for signum in data:
+            if signum in STOPS and _STATE["armed"]:
+                stop_requested(signum)
+
+
+def stop_requested(signum: int, from_peer: bool = False) -> None:
+    """A stop signal reached this rank (or a peer's, through the store): flag it, or stop at once on a repeat."""
+    from dstrain.runtime import watchdog
+
+    name = signal.Signals(signum).name
+    now = time.monotonic()
+    if _STATE["first"] is not None:
+        if not from_peer and now - _STATE["first"] > REPEAT_S:
+            _say(f"{name} again: stopping now, without a checkpoint")
+            watchdog.record_failure(f"stopped by signal {name} (a second stop request)")
+            os._exit(128 + signum)
+        return
+    if not from_peer and watchdog.tearing_down():  # the launcher ends the group because a peer failed
+        watchdog.record_failure(f"stopped by signal {name} (its launcher is tearing the job down)")
+        os._exit(128 + signum)
+    _STATE["first"] = now
+    _STATE["flag"] = max(_STATE["flag"], signum)
+    if not from_peer:
+        watchdog.share_stop(signum)
+        _say(f"{name}: saving a checkpoint at the next step boundary, then stopping ({name} again to stop at once, "
+             "without it)")
+
+
+def requested() -> int:
+    return _STATE["flag"]
+
+
+def agreed(group=None) -> int:
+    """The stop every drafter rank acts on at this step boundary (0: none, NOTICE_CODE, or a signal's number): called
+    by every drafter rank at the same boundary. `group` is a gloo group over the drafters (World.drafter_host_group):
+    a CPU flag read back on a CUDA run would make the host wait for the GPU's queued work every step."""
+    flag = torch.tensor([_STATE["flag"]])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    return int(flag.item())
 
 
-def release_targets(step: int, is_main: bool, group=None) -> None:
-    """After the preemption checkpoint: the target ranks may stop (watchdog.py ends them on the store key)."""
+def exit_code(stop: int) -> int:
+    """The process's exit code after saving for `stop`: 0 for the notice (the batch script requeues), 128 + the
+    signal's number for SIGINT / SIGTERM (as if the signal had ended it, once the checkpoint is safe)."""
+    return 0 if stop in (0, NOTICE_CODE) else 128 + stop
+
+
+def describe(stop: int) -> str:
+    return "preemption notice" if stop == NOTICE_CODE else signal.Signals(stop).name
+
+
+def release_targets(step: int, is_main: bool, group=None, stop: int = NOTICE_CODE) -> None:
+    """After the stop's checkpoint: the target ranks may stop (watchdog.py ends them on the store key)."""
     from dstrain.runtime.watchdog import announce_preempted
 
     if is_main:
-        announce_preempted(step)
+        announce_preempted(step, exit_code(stop))
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.barrier(group=group)  # no drafter leaves before the key is set (a gone drafter looks like a failure)
+
+
+def reset() -> None:
+    """Forget any request (tests; a process that trains twice)."""
+    _STATE.update(flag=0, armed=False, first=None)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from dstrain.runtime import preemption
 from dstrain.runtime.channel import Sender, needed_rows, recv_resume
 from dstrain.runtime.watchdog import progress
 from dstrain.train.step import pack_step, padded_batch
@@ -51,6 +52,7 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
             loaders[j].load_state_dict({**loaders[j].state_dict(), **state})
         start = step if start is None else start
     streams = {j: iter(loaders[j]) for j in served}
+    preemption.arm()  # a stop signal here waits for the drafters' checkpoint (watchdog.py ends this process then)
     r = recipe
     sender = Sender(path=world.channel_path, host_group=world.host_group)
     log_path = run_dir / "channel" / f"target-rank-{world.rank}.jsonl"

@@ -15,7 +15,8 @@ setup) it is `DSTRAIN_HEARTBEAT_TIMEOUT_S` (20 s) or the floor, whichever is lar
 
 Two ways a rank stops making progress, told apart:
 - **silent** — its heartbeat stops (SIGSTOP, killed, the whole process frozen). Where the watcher shares
-  the host with it, /proc says which: *stopped* (state T: SIGSTOP or a debugger), *died* (gone or a zombie;
+  the host with it, /proc says which: *stopped* (state T: SIGSTOP or a debugger; held to the floor
+  run.stall_timeout_s, not its step times), *died* (gone or a zombie;
   named within a few seconds, no need to wait for the bound), or *hung* (running but its heartbeat thread
   is frozen). A stopped or hung rank on this host is then SIGKILLed: it cannot end itself, and the launcher
   would otherwise wait its own grace period (30 s in torchrun) before doing so. From another host the
@@ -131,11 +132,6 @@ def start_watchdog(world, run_dir=None, stall_floor_s: float = 30.0, stall_facto
         pids.mkdir(parents=True, exist_ok=True)
         (pids / f"rank-{world.rank}").write_text(str(os.getpid()))
 
-    def on_signal(signum, _frame):
-        record_failure(f"stopped by signal {signal.Signals(signum).name} (its launcher is tearing the job down)")
-        os._exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
     thread = threading.Thread(target=_watch, args=(world.rank, world.world_size, describe), daemon=True,
                               name="dstrain-watchdog")
     _STATE.update(stop=threading.Event(), thread=thread)
@@ -182,18 +178,44 @@ def on_comm_error(exc: BaseException) -> None:
     time.sleep(_STATE["timeout"] + 5)  # the watcher thread os._exit()s with the named culprit before this ends
 
 
-def announce_preempted(step: int) -> None:
-    """The drafters saved step `step` for a preemption (runtime/preemption.py): target ranks stop on it."""
+STOP = "stop"  # a stop signal that reached some rank: every rank's watcher passes it to preemption.py
+
+
+def active() -> bool:
+    return bool(_STATE)
+
+
+def tearing_down() -> bool:
+    """Whether the run is already failing (a rank recorded why it stopped): a SIGTERM now is the launcher ending
+    the group, not a request for a checkpoint."""
+    if not _STATE:
+        return False
+    try:
+        return _STATE["store"].check(["abort"])
+    except Exception:  # noqa: BLE001 — an unreachable store: the job is going away
+        return True
+
+
+def share_stop(signum: int) -> None:
     if _STATE:
-        _STATE["store"].set(PREEMPTED, str(step))
+        try:
+            _STATE["store"].compare_set(STOP, "", str(signum))
+        except Exception:  # noqa: BLE001 — the peers' own signals or watchers still end the run
+            pass
+
+
+def announce_preempted(step: int, code: int = 0) -> None:
+    """The drafters saved step `step` for a stop (runtime/preemption.py): target ranks exit with `code` on it."""
+    if _STATE:
+        _STATE["store"].set(PREEMPTED, f"{step} {code}")
 
 
 def _leave_preempted(store) -> None:
-    """A target rank, once the drafters saved for a preemption: done (so no watcher names it), then exit 0."""
-    step = store.get(PREEMPTED).decode()
+    """A target rank, once the drafters saved for a stop: done (so no watcher names it), then exit."""
+    step, code = store.get(PREEMPTED).decode().split()
     store.set(f"done/{_STATE['rank']}", "1")
-    _say(f"{_STATE['describe'](_STATE['rank'])}: the drafters saved step {step} for a preemption; stopping")
-    os._exit(0)
+    _say(f"{_STATE['describe'](_STATE['rank'])}: the drafters saved step {step} for a stop; stopping")
+    os._exit(int(code))
 
 
 def mark_done() -> None:
@@ -211,25 +233,35 @@ def _where(p: dict | None) -> str:
     return f"last seen at step {p['step']}, phase '{p['phase']}'" if p["step"] >= 0 else f"last seen in phase '{p['phase']}'"
 
 
-def _silent_verdict(store, r: int, describe, p: dict | None, silent_for: float) -> tuple[str, bool]:
-    """(what happened to a rank whose heartbeat stopped, whether this watcher should SIGKILL it)."""
+def silent_bound(p: dict | None, frozen: bool) -> float:
+    """How long a peer's heartbeat may stop before it is named: the bound it last published (10 x its slowest recent
+    step, or the start-up allowance before its first steps). A process /proc shows frozen (SIGSTOP or a debugger) gets
+    run.stall_timeout_s at most: no slow step, weight load or GIL holder freezes a process, so its step times say
+    nothing about it (a rank stopped just after a relaunch was held to the 20 s start-up allowance)."""
+    bound = p["bound"] if p else _STATE["timeout"]
+    return min(bound, _STATE["progress"].floor) if frozen else bound
+
+
+def _silent_verdict(store, r: int, describe, p: dict | None, silent_for: float) -> tuple[str, bool, float]:
+    """(what happened to a rank whose heartbeat stopped, whether this watcher should SIGKILL it, its bound)."""
     try:
         where = json.loads(store.get(f"host/{r}").decode())
     except Exception:  # noqa: BLE001
         where = None
-    bound = p["bound"] if p else _STATE["timeout"]  # the stall bound the rank last published (what it is held to)
+    bound = silent_bound(p, False)
     if where is None or where["host"] != _STATE["host"]:
         host = where["host"].split("|")[0] if where else "unknown host"
         return (f"{describe(r)} stopped responding: no heartbeat for {silent_for:.0f} s (stall bound {bound:.1f} s), "
-                f"{_where(p)} (on {host}: killed, stopped or hung, not visible from here)"), False
+                f"{_where(p)} (on {host}: killed, stopped or hung, not visible from here)"), False, bound
     state = process_state(where["pid"])
     if state in ("gone", "zombie"):
-        return f"{describe(r)} died (process {where['pid']} is gone), {_where(p)}", False
+        return f"{describe(r)} died (process {where['pid']} is gone), {_where(p)}", False, 0.0
     if state == "stopped":
+        bound = silent_bound(p, True)
         return (f"{describe(r)} is stopped (process {where['pid']} alive but frozen by SIGSTOP or a debugger; no "
-                f"heartbeat for {silent_for:.0f} s, stall bound {bound:.1f} s), {_where(p)}"), True
+                f"heartbeat for {silent_for:.0f} s, stall bound {bound:.1f} s), {_where(p)}"), True, bound
     return (f"{describe(r)} is hung (process {where['pid']} running but no heartbeat for {silent_for:.0f} s, stall bound "
-            f"{bound:.1f} s), {_where(p)}"), True
+            f"{bound:.1f} s), {_where(p)}"), True, bound
 
 
 def _watch(rank: int, size: int, describe) -> None:
@@ -245,6 +277,10 @@ def _watch(rank: int, size: int, describe) -> None:
             verdict = store.get("abort").decode() if store.check(["abort"]) else ""
             if not verdict and _STATE["serves_target"] and store.check([PREEMPTED]):
                 _leave_preempted(store)
+            if not verdict and store.check([STOP]):
+                from dstrain.runtime import preemption
+
+                preemption.stop_requested(int(store.get(STOP).decode()), from_peer=True)
             now = time.monotonic()
             culprits, stuck, failed, signalled, to_kill = [], [], [], [], []
             silent_any = 0.0
@@ -271,8 +307,8 @@ def _watch(rank: int, size: int, describe) -> None:
                 silent_for = now - seen[r][1]
                 silent_any = max(silent_any, silent_for)
                 if silent_for > DEAD_AFTER_S:
-                    line, kill = _silent_verdict(store, r, describe, p, silent_for)
-                    if silent_for > (p["bound"] if p else _STATE["timeout"]) or " died " in line:
+                    line, kill, bound = _silent_verdict(store, r, describe, p, silent_for)
+                    if silent_for > bound:  # a died one has bound 0: named at once
                         culprits.append(line)
                         if kill:
                             to_kill.append(r)

@@ -10,32 +10,40 @@ from pathlib import Path
 
 
 def train(recipe) -> int:
-    from dstrain.train.sources import LocalSource
-    from dstrain.train.trainer import Trainer
-    from dstrain.runtime.watchdog import mark_done, start_watchdog
-    from dstrain.runtime.world import init_world
     from dstrain.runtime import preemption
 
-    preemption.install()  # before anything slow: a preemption notice now is acted on at the first step boundary
+    preemption.install()  # before anything slow: a notice or Ctrl-C now is acted on at the first step boundary
     t = recipe.world.target
     if recipe.world.mode == "disaggregated" and recipe.target.backend == "hf" and (t.tp, t.pp, t.ep) != (1, 1, 1):
         from dstrain.errors import UserError
 
         raise UserError("target.backend=hf serves one whole replica per target rank (tensor/expert parallel HF targets are"
                         " not built): set world.target.tp/pp/ep=1 and scale with world.target.dp, or use a megatron family")
+    run_dir = Path(recipe.run.output_dir) / recipe.run.name
+    fresh = not run_dir.exists() and int(os.environ.get("RANK", "0")) == 0
+    try:
+        return _train(recipe, run_dir)
+    except BaseException:
+        if fresh and run_dir.is_dir() and nothing_trained(run_dir):  # a failure leaves nothing behind
+            import shutil
+
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _train(recipe, run_dir: Path) -> int:
+    from dstrain.train.sources import LocalSource
+    from dstrain.train.trainer import Trainer
+    from dstrain.runtime.watchdog import mark_done, start_watchdog
+    from dstrain.runtime.world import init_world
+
     verified = preflight(recipe)
     world = init_world(recipe)
     if world.world_size == 1 and world.device.type == "cpu":
         from dstrain.train.ds_glue import skip_shm_comm_op
 
         skip_shm_comm_op()
-    run_dir = Path(recipe.run.output_dir) / recipe.run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
     start_watchdog(world, run_dir, recipe.run.stall_timeout_s, recipe.run.stall_factor)
-    if world.is_main:  # so evaluate/export can load the run without the recipe file
-        from dstrain.decoding.artifacts import save_run_recipe
-
-        save_run_recipe(recipe, run_dir)
     if world.role == "target":
         from dstrain.runtime.target_role import serve_target
 
@@ -71,6 +79,10 @@ def train(recipe) -> int:
         source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device,
                              vocab=frozen.lm_head.weight.shape[0])
     trainer = Trainer(recipe, frozen, source, run_dir, world, **({"verified_tag": verified} if world.is_main else {}))
+    if world.is_main:  # after the resume checks: a refused resume leaves the run's recipe as it was
+        from dstrain.decoding.artifacts import save_run_recipe
+
+        save_run_recipe(recipe, run_dir)  # so evaluate/export can load the run without the recipe file
     summary = trainer.train()
     mark_done()
     if world.is_main and summary["last"]:
@@ -90,7 +102,7 @@ def train(recipe) -> int:
                   f"{c['feature_cache/memory_hits']:.0f} memory hits, "
                   f"{c['feature_cache/misses']:.0f} misses ({c['feature_cache/corrupt']:.0f} corrupt), "
                   f"{c['feature_cache/bytes_written'] / 2**20:.1f} MiB written, {c['target_feature_s']:.1f} s on target features")
-    return 0
+    return trainer.exit_code  # 128 + the signal's number after a Ctrl-C or SIGTERM checkpoint
 
 
 def colocated_target(recipe, device, target_cfg=None):
@@ -138,16 +150,38 @@ def preflight(recipe):
         raise UserError(f"target.path {recipe.target.path} is not a folder; point it at the target's Hugging Face folder")
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     probe = run_dir / f".writable-{os.getpid()}"
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
+        if rank0:  # the run's one lock, taken before anything is written into the folder
+            hold_run_folder(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
         raise UserError(f"run.output_dir {recipe.run.output_dir}: cannot write {run_dir} ({exc.strerror or exc}); "
                         "set run.output_dir to a writable folder") from None
-    if int(os.environ.get("RANK", "0")) == 0:
-        return checkpoint.latest(run_dir / "checkpoints")
+    if rank0:
+        return checkpoint.latest(run_dir / "checkpoints", quarantine_damaged=True)  # the one process that resumes
     return None
+
+
+def hold_run_folder(run_dir: Path):
+    """Two runs in one folder would both resume from one checkpoint and interleave their checkpoints and metrics: the
+    second is refused in one line naming the first (a Slurm requeue beside a manual rerun, say)."""
+    import shlex
+    import sys
+
+    from dstrain.runtime.folder_lock import hold
+
+    command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    return hold(run_dir, command, f"run folder {run_dir} is in use by another training run ({{holder}}); wait for it "
+                "to finish or stop it, or give this run another run.name or run.output_dir")
+
+
+def nothing_trained(run_dir: Path) -> bool:
+    """A run folder with no checkpoint and no logged step holds nothing worth keeping after a failure."""
+    metrics = run_dir / "metrics.jsonl"
+    return not any((run_dir / "checkpoints").glob("step-*")) and (not metrics.exists() or metrics.stat().st_size == 0)
 
 
 def make_loader(recipe, rank: int, world: int):

@@ -23,7 +23,7 @@ from dstrain.models.registry import build_drafter
 from dstrain.monitor import Monitor, peak_memory_mb
 from dstrain.runtime import preemption
 from dstrain.runtime.watchdog import progress
-from dstrain.train import checkpoint, compiling
+from dstrain.train import checkpoint, compiling, resume_check
 from dstrain.train.losses import position_weights
 from dstrain.train.step import DraftStep
 from dstrain.train.step_metrics import MetricWindow, calibration_bins, clip_grad_norm, step_values
@@ -100,6 +100,8 @@ class Trainer:
         self.fused_loss = compiling.fused_loss(recipe.train.compile, self.device)
         self.compiled_drafter = compiling.compile_drafter(drafter, recipe.train.compile)
         self.resume_tag = self._shared_resume_tag(verified_tag)
+        if self.resume_tag is not None:  # every rank: a changed drafter named by its keys, not by a failed state_dict load
+            resume_check.check_architecture(self.ckpt_dir / self.resume_tag, recipe)
         universal = self._saved_world_differs()
         if universal:
             self.load_dir = self._universal_copy()
@@ -108,7 +110,8 @@ class Trainer:
         self.drafter = drafter
         self.clock = self._step_clock(recipe, frozen, drafter)
         self.step = 0
-        self.preempted_at = None  # the step saved for a preemption notice (runtime/preemption.py)
+        self.preempted_at = None  # the step saved for a stop: notice, Ctrl-C or SIGTERM (runtime/preemption.py)
+        self.stopped_by, self.exit_code = None, 0
         self.live_eval = None
         if recipe.eval.every:
             from dstrain.train.live_eval import LiveEval
@@ -123,7 +126,7 @@ class Trainer:
     def _shared_resume_tag(self, verified_tag):
         tag = None
         if self.is_main:  # verified once (main.preflight, before any weights loaded), the choice shared
-            tag = verified_tag if verified_tag is not _UNCHECKED else checkpoint.latest(self.ckpt_dir)
+            tag = verified_tag if verified_tag is not _UNCHECKED else checkpoint.latest(self.ckpt_dir, quarantine_damaged=True)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             box = [tag]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
@@ -191,7 +194,8 @@ class Trainer:
         if self.live_eval is not None:
             client["eval"] = self.live_eval.state_dict()
         checkpoint.save(self.engine, self.ckpt_dir, self.step, client,
-                        self.recipe.train.keep_checkpoints, self.is_main, self.group, world=layout)
+                        self.recipe.train.keep_checkpoints, self.is_main, self.group, world=layout,
+                        architecture=resume_check.architecture(self.recipe))
 
     # -- one step ----------------------------------------------------------------------------------------
     def train_step(self, micro) -> dict:
@@ -311,6 +315,7 @@ class Trainer:
         self.resume()
         monitor = Monitor(self.run_dir, r, r.train.steps, self.step, self.is_main)
         self.source.start(self.step)
+        preemption.arm()  # from here a Ctrl-C or SIGTERM saves at the next step boundary
         t_last = time.perf_counter()
         window = {"steps": 0, "bytes": 0}  # host counts; the step metrics' window is self.metric_window
         if self.live_eval is not None and self.is_main:
@@ -350,17 +355,21 @@ class Trainer:
                     monitor.log(self.step, metrics)
                     t_last, window = now, {"steps": 0, "bytes": 0}
                 stop = done = self.live_eval is not None and self.live_eval.should_stop()
-                # one one-int all-reduce per step over the drafters; a notice at the last step changes nothing
-                preempted = preemption.agreed(self.host_group) and self.step < r.train.steps
-                if stop or preempted or self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
+                # one one-int all-reduce per step over the drafters; a stop at the last step changes nothing
+                halt = preemption.agreed(self.host_group)
+                halt = halt if self.step < r.train.steps else 0
+                if stop or halt or self.step % r.train.checkpoint_every == 0 or self.step == r.train.steps:
                     progress(self.step, "save")
                     self.save()
-                if preempted:
-                    self.preempted_at = self.step
-                    preemption.release_targets(self.step, self.is_main, self.group)
+                if halt:
+                    self.preempted_at, self.stopped_by = self.step, preemption.describe(halt)
+                    self.exit_code = preemption.exit_code(halt)
+                    preemption.release_targets(self.step, self.is_main, self.group, halt)
                     if self.is_main:
-                        print(f"dstrain: preemption notice: checkpoint step-{self.step} written; the requeued job resumes"
-                              " from it", file=sys.stderr, flush=True)
+                        then = ("the requeued job resumes from it" if self.exit_code == 0 else
+                                "run the same command again to resume from it")
+                        print(f"dstrain: {self.stopped_by}: checkpoint step-{self.step} written; {then}",
+                              file=sys.stderr, flush=True)
                     break
                 if stop:
                     if self.is_main:
@@ -368,7 +377,7 @@ class Trainer:
                               f"in {r.eval.patience} evaluations: stopped at step {self.step} of {r.train.steps}", flush=True)
         finally:
             monitor.close()
-        summary = {"steps": self.step, "resumed_from": self.resumed_from, "preempted_at": self.preempted_at, "wandb_mode": monitor.wandb_mode, "first": None, "last": None}
+        summary = {"steps": self.step, "resumed_from": self.resumed_from, "preempted_at": self.preempted_at, "stopped_by": self.stopped_by, "wandb_mode": monitor.wandb_mode, "first": None, "last": None}
         summary.update(compiling.summary(self.fused_loss, self.compiled_drafter))  # train.compile as it ran
         if self.live_eval is not None:
             summary["eval"] = self.live_eval.summary()
