@@ -168,3 +168,30 @@ def test_continuous_batching_answers_equal_static_greedy(tmp_path, tiny_lm_dir):
         forced.submit(f"k{i}", [{"role": "user", "content": f"hello {i}"}])
     answers = dict(forced.results())
     assert sorted(answers) == ["k0", "k1", "k2"] and all(a[1:] == ("length", 9) for a in answers.values())
+
+
+def test_progress_counts_tokens_as_they_are_decoded(tmp_path, tiny_lm_dir, capsys, monkeypatch):
+    """The bar moves at every decoding step, not when a conversation ends: a log (stderr not a terminal) gets plain
+    lines in tokens with rate and ETA, the streamed count equals the answers' tokens, and the bar ends at its total
+    (every turn's budget, the unused part handed over when a turn stops early)."""
+    from dstrain import progress as P
+    from dstrain.data import generators as G
+    from dstrain.data.generators import StaticGenerator
+
+    streamed, counter = [], G.TokenCounter
+    monkeypatch.setattr(G, "TokenCounter", lambda stops, report: counter(stops, lambda n: (streamed.append(n), report(n))))
+
+    lines, steps = [], []
+    monkeypatch.setattr(P.PlainProgress, "_line", lambda self: lines.append(self.line()))
+    prompts = write_prompts(tmp_path / "p.jsonl", 5)
+    gen = StaticGenerator(str(tiny_lm_dir), Sampling(temperature=1.0, max_new_tokens=10), "float32", 8)
+    seen = []
+    real = P.PlainProgress.update
+    monkeypatch.setattr(P.PlainProgress, "update", lambda self, n=1: (seen.append((n, self)), real(self, n))[1])
+    stats = regenerate(str(prompts), str(tmp_path / "o.jsonl"), gen, "tiny")
+    bar = seen[-1][1]
+    turns = 5 + 2  # prompts 0 and 3 have a follow-up
+    assert bar.total == turns * 10 and bar.n == bar.total
+    assert sum(streamed) == stats["turn_tokens"] > 0  # counted at each decoding step, live rows only
+    assert len([n for n, _ in seen]) > turns  # more updates than finished turns: it moved while decoding
+    assert lines and lines[-1].startswith(f"regenerate: {turns * 10}/{turns * 10} tok (100 %)") and "tok/s" in lines[-1]

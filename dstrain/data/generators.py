@@ -62,6 +62,7 @@ class _LocalTarget:
         self.force_length = force_length
         torch.manual_seed(sampling.seed)
         self.queue: list[tuple[str, list[int]]] = []
+        self.on_tokens = None  # called with the count of new tokens at every decoding step (progress)
 
     def encode(self, conversation: list[dict]) -> list[int]:
         ids = self.tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
@@ -76,8 +77,33 @@ class _LocalTarget:
         self.queue.append((key, self.encode(conversation)))
 
 
+class TokenCounter:
+    """transformers' streamer hook: each decoding step hands over one token per row; rows that already stopped are
+    not counted, so progress counts the tokens the answers will hold."""
+
+    def __init__(self, stops: set[int], report):
+        self.stops, self.report, self.prompt_seen, self.done = stops, report, False, None
+
+    def put(self, value) -> None:
+        import torch
+
+        if not self.prompt_seen:  # the first call hands over the prompts
+            self.prompt_seen = True
+            return
+        value = value.reshape(-1)
+        if self.done is None:
+            self.done = torch.zeros(len(value), dtype=torch.bool)
+        live = int((~self.done).sum())
+        self.done |= torch.isin(value, torch.tensor(sorted(self.stops), dtype=value.dtype))
+        self.report(live)
+
+    def end(self) -> None:
+        pass
+
+
 class StaticGenerator(_LocalTarget):
     name = "hf"
+    streams_tokens = True  # on_tokens is called at every decoding step
     bucket = True  # False: batches in submission order (the pre-bucketing baseline of bench_regen)
 
     def results(self):
@@ -91,8 +117,10 @@ class StaticGenerator(_LocalTarget):
             pad = self.tok.pad_token_id
             input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch])
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
+            counter = TokenCounter(self.stops, self.on_tokens) if self.on_tokens else None
             with torch.no_grad():
-                out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=self.config)
+                out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=self.config,
+                                          streamer=counter)
             for (key, _), row in zip(batch, out[:, width:].tolist()):
                 yield key, self.answer(row)
 

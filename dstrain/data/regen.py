@@ -15,11 +15,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from tqdm import tqdm
-
 from dstrain.data.generators import ContinuousGenerator, OpenAIGenerator, Sampling, StaticGenerator, local_generator
 from dstrain.data.records import BadDataReport, check_prompt, read_jsonl
 from dstrain.errors import UserError
+from dstrain.progress import progress as progress_bar
 
 __all__ = ["ContinuousGenerator", "OpenAIGenerator", "Sampling", "StaticGenerator", "local_generator",
            "finished_ids", "regenerate"]
@@ -71,7 +70,13 @@ def regenerate(prompts_path: str, out_path: str, generator, target_name: str,
     # new_tokens: in written records; turn_tokens: every answered turn (the generator's useful work)
     stats = {"prompts": len(prompts), "skipped_done": sum(p["id"] in done for p in prompts),
              "written": 0, "failed": 0, "new_tokens": 0, "turn_tokens": 0, "seconds": 0.0}
-    bar = tqdm(total=len(pending), desc="regenerate", unit="conv", disable=not progress, dynamic_ncols=True)
+    # progress in tokens: the budget (every turn's max_new_tokens) is the total; a turn that stops early hands its
+    # unused budget over at once, so the ETA holds while answers stream in token by token
+    budget = generator.sampling.max_new_tokens
+    bar = progress_bar(sum(len(p["turns"]) for p in pending) * budget, "regenerate", "tok", enabled=progress)
+    streams = getattr(generator, "streams_tokens", False)
+    if streams:
+        generator.on_tokens = bar.update
     by_id = {p["id"]: p for p in pending}
     convs = {pid: _start(p) for pid, p in by_id.items()}
     meta = {pid: {"finish": [], "tokens": 0, "turn": 0} for pid in by_id}
@@ -90,10 +95,12 @@ def regenerate(prompts_path: str, out_path: str, generator, target_name: str,
                 res = RuntimeError(f"empty response at turn {m['turn']}")
             if isinstance(res, Exception):
                 fe.write(json.dumps({"id": pid, "reason": str(res), "time": time.time()}) + "\n")
+                bar.update(budget * (len(by_id[pid]["turns"]) - m["turn"]))  # the turns it will not answer
                 fe.flush()
                 stats["failed"] += 1
             else:
                 text, finish, ntok = res
+                bar.update(budget - ntok if streams else budget)  # streamed tokens were counted as they came
                 convs[pid].append({"role": "assistant", "content": text})
                 m["finish"].append(finish)
                 m["tokens"] += ntok
@@ -111,9 +118,8 @@ def regenerate(prompts_path: str, out_path: str, generator, target_name: str,
                 os.fsync(fo.fileno())
                 stats["written"] += 1
                 stats["new_tokens"] += m["tokens"]
-            elapsed = time.perf_counter() - t0
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{stats['turn_tokens'] / max(elapsed, 1e-9):.1f}", failed=stats["failed"])
+            bar.set_postfix_str(f"{stats['turn_tokens']:,} tokens answered, {stats['written']}/{len(pending)} "
+                                f"conversations, {stats['failed']} failed")
     bar.close()
     stats["seconds"] = time.perf_counter() - t0
     stats["tokens_per_s"] = stats["turn_tokens"] / max(stats["seconds"], 1e-9)
