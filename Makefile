@@ -62,8 +62,9 @@ test-fast: install
 dry-run: install
 	for r in $$($(VENV)/bin/dstrain recipes | cut -d' ' -f1); do $(VENV)/bin/dstrain plan $$r > /dev/null || exit 1; echo "dry-run ok: $$r"; done
 
-# The demo is one process at a time: it may use every core (1 thread: ~29 min on 2 cores, 2 threads: ~18 min).
-DEMO_THREADS ?= $(shell nproc 2>/dev/null || echo 1)
+# One thread per process (DEMO_THREADS=N for more): OpenMP threads spin on busy cores, and a laptop's cores are
+# rarely idle (troubleshooting.md: 7x slower measured with 2 threads on a loaded 2-core machine).
+DEMO_THREADS ?= 1
 demo: install
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/dstrain demo
 

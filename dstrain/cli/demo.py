@@ -70,22 +70,50 @@ def agreement_line(a: dict) -> str:
 
 def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default="recipes/smollm2_moe.yaml")
-    ap.add_argument("--corpus", default="corpus/smollm2_moe", help="packed corpus made by the recipe's target (dstrain data pack)")
-    ap.add_argument("--fresh-prompts", type=int, default=8, help="new prompts regenerated here and added to the training data")
-    ap.add_argument("--max-new-tokens", type=int, default=96, help="per answer, for the fresh prompts")
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences decoded together while regenerating")
+    ap.add_argument("--recipe", default="smollm2_moe",
+                    help="the recipe: target, drafter and training settings (default %(default)s)")
+    ap.add_argument("--corpus", default="smollm2_moe", help="packed corpus made by the recipe's target: a folder (dstrain data "
+                    "pack) or a shipped corpus's name (default %(default)s, shipped inside the package)")
+    ap.add_argument("--fresh-prompts", type=int, default=8, help="new prompts regenerated here and added to the training data (default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="most new tokens per answer, for the fresh prompts (default %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences decoded together while regenerating (default %(default)s)")
     ap.add_argument("--steps", type=int, help="training steps (default: the recipe's train.steps)")
-    ap.add_argument("--eval-prompts", type=int, default=6, help="held-out prompts per domain for the held-out τ (0: skip)")
+    ap.add_argument("--eval-prompts", type=int, default=6, help="held-out prompts per domain for the held-out τ (default %(default)s; 0: skip)")
     ap.add_argument("--bench-prompts", type=int, default=6, help="benchmark prompts per domain for the benchmark τ beside "
-                    "the held-out one (0: skip)")
-    ap.add_argument("--eval-new-tokens", type=int, default=64)
-    ap.add_argument("--run-dir", default="runs/demo")
+                    "the held-out one (default %(default)s; 0: skip)")
+    ap.add_argument("--eval-new-tokens", type=int, default=64,
+                    help="most new tokens per prompt in the held-out and benchmark τ decoding (default %(default)s)")
+    ap.add_argument("--run-dir", default="runs/demo",
+                    help="folder of the demo's summary.json and evaluations (default %(default)s); the training run "
+                         "itself is the recipe's run.output_dir/run.name")
     return ap
 
 
 def run(args: argparse.Namespace) -> int:
+    from dstrain.data import corpus
+    from dstrain.recipe import load_recipe
 
+    from dstrain.recipe_files import resolve_recipe_path
+
+    # every input is checked before anything is written; the recipe and the corpus are found from any folder
+    args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))
+    args.corpus = str(corpus.resolve(args.corpus))
+    recipe = load_recipe(args.recipe)
+    shards = Path(recipe.data.shards)
+    data_dir, run_dir = shards.parent, Path(args.run_dir)
+    created = [p for p in (data_dir, run_dir) if not p.exists()]
+    try:
+        return _run(args, recipe, data_dir, run_dir)
+    except BaseException:
+        import shutil
+
+        if not (Path(recipe.run.output_dir) / recipe.run.name / "summary.json").exists():  # nothing trained yet
+            for p in created:  # a failure before training leaves nothing behind
+                shutil.rmtree(p, ignore_errors=True)
+        raise
+
+
+def _run(args, recipe, data_dir: Path, run_dir: Path) -> int:
     from transformers import AutoTokenizer
 
     from dstrain.data import corpus
@@ -94,20 +122,16 @@ def run(args: argparse.Namespace) -> int:
     from dstrain.data.regen import Sampling, local_generator, regenerate
     from dstrain.data.shards import build_shards
     from dstrain.data.tokenize import TokenizeConfig
-    from dstrain.recipe import load_recipe
     from dstrain.targets import target_folder
 
-    recipe = load_recipe(args.recipe)
     shards = Path(recipe.data.shards)
-    data_dir = shards.parent
-    data_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     timings, summary = {}, {"recipe": args.recipe, "target": recipe.target.name}
-
     t = time.perf_counter()
+    print("[1/7] preparing the target (the first time: SmolLM2-135M upcycled to a MoE and cached, ~1-2 min)", flush=True)
     folder = target_folder(recipe.target)
     man = corpus.check_target(Path(args.corpus), folder, recipe.target.name)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     timings["prepare_target_s"] = time.perf_counter() - t
     print(f"[1/7] target ready: {folder}; {args.corpus} was made by it ({timings['prepare_target_s']:.1f}s)")
 

@@ -39,8 +39,9 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/table", help="output folder (default %(default)s)")
-    ap.add_argument("--recipe", default="recipes/smollm2_moe.yaml", help="base recipe every family starts from")
-    ap.add_argument("--corpus", default="corpus/smollm2_moe", help="packed corpus made by the recipe's target")
+    ap.add_argument("--recipe", default="smollm2_moe", help="base recipe every family starts from (default %(default)s)")
+    ap.add_argument("--corpus", default="smollm2_moe", help="packed corpus made by the recipe's target: a folder or a shipped "
+                    "corpus's name (default %(default)s)")
     ap.add_argument("--families", default=",".join(DEFAULT_FAMILIES),
                     help=f"comma-separated, from {', '.join(FAMILIES)} (default %(default)s)")
     ap.add_argument("--steps", type=int, help=f"training steps of the γ = 5 families (default {FULL['steps']}); MTP-1 "
@@ -61,13 +62,13 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--no-feature-cache", action="store_true", help="every family runs the target itself")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default %(default)s)")
     ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                    help="reuse finished stages whose configuration matches (default on; --no-resume redoes everything)")
+                    help="reuse finished stages whose configuration matches (default %(default)s; --no-resume redoes everything)")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep intermediate checkpoints after the curves")
     ap.add_argument("--preset", choices=("budget", "paper"), default="budget",
-                    help="budget: every family at one equal budget of supervised positions (the default); paper: the "
-                         "paper's offline configuration trained to a held-out plateau, two seeds (dstrain/reproduce/paper.py)")
+                    help="budget: every family at one equal budget of supervised positions; paper: the "
+                         "paper's offline configuration trained to a held-out plateau, two seeds (dstrain/reproduce/paper.py); default %(default)s")
     ap.add_argument("--stop-after", choices=("data", "train"), help="paper preset: stop after this stage (train on one "
-                    "machine, evaluate on another)")
+                    "machine, evaluate on another; default: run every stage)")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved plan (stages, first-guess times, ETA) "
                     "without loading a weight, and exit")
     ap.add_argument("--quick", action="store_true", help="smoke-test sizes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
@@ -97,10 +98,11 @@ def make_config(args):
             raise UserError("--device cuda: torch sees no GPU here; run with --device cpu")
     out = Path(args.out).resolve()  # the training runs start in the repository root
     cache = None if args.no_feature_cache else Path(args.feature_cache) if args.feature_cache else out / "feature_cache"
+    from dstrain.data.corpus import resolve as resolve_corpus
     from dstrain.recipe_files import resolve_recipe_path
 
     args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))  # a file or a shipped recipe's name
-    return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=Path(args.corpus).resolve(), families=families,
+    return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=resolve_corpus(args.corpus), families=families,
                   device=args.device, seed=args.seed, feature_cache=cache and cache.resolve(),
                   feature_cache_gb=args.feature_cache_gb, threads=args.threads, bootstrap_samples=args.bootstrap,
                   resume=args.resume, keep_checkpoints=args.keep_checkpoints, argv=list(args.argv), **sizes)
@@ -111,7 +113,7 @@ def dry_run(args: argparse.Namespace) -> int:
     from dstrain.data import corpus
     from dstrain.reproduce import stages as S
 
-    man = corpus.manifest(Path(args.corpus))
+    man = corpus.manifest(corpus.resolve(args.corpus))
     train_prompts = man.get("held_out", {}).get("train_prompts", man["records"])
     if args.preset == "paper":
         from dstrain.reproduce import paper as PP

@@ -21,7 +21,25 @@ from pathlib import Path
 
 from dstrain.errors import UserError
 
-DEFAULT = Path(__file__).resolve().parents[2] / "corpus" / "smollm2_moe"
+SHIPPED = Path(__file__).resolve().parents[1] / "corpus"  # inside the package: found from any folder
+DEFAULT = SHIPPED / "smollm2_moe"
+
+
+def shipped() -> dict[str, Path]:
+    return {p.name: p for p in sorted(SHIPPED.iterdir()) if (p / "manifest.json").is_file()}
+
+
+def resolve(arg: str | Path, what: str = "--corpus") -> Path:
+    """A corpus folder as given, or the name of a shipped one (smollm2_moe), so commands work from any folder."""
+    path = Path(arg)
+    if path.is_dir():
+        return path.resolve()
+    ships = shipped()
+    name = path.name if str(arg).startswith("corpus/") else str(arg)  # the repository's old relative spelling
+    if name in ships:
+        return ships[name]
+    raise UserError(f"{what} {arg}: no such folder and no shipped corpus of that name (shipped: {', '.join(ships)}); "
+                    "give a folder made by dstrain data pack, or a shipped name")
 
 
 def split_of(prompts_path: Path) -> dict:
@@ -121,6 +139,16 @@ def _records(folder: Path) -> bytes:
     return raw
 
 
+def _check_prompts(folder: Path, man: dict) -> None:
+    """prompts.jsonl as packed: an edited prompt would be evaluated under the split's name unnoticed. Under 1 MB, so
+    hashed every time rather than leaving a cache file in a folder that git tracks."""
+    from dstrain.data.verify import verify_files
+
+    entry = {"file": "prompts.jsonl", "bytes": man["bytes"]["prompts"], "sha256": man["sha256"]["prompts.jsonl"]}
+    verify_files(folder, [entry], what="corpus file", listed_in=str(folder / "manifest.json"), cache=None,
+                 fix=f"restore it (git checkout -- {folder}/prompts.jsonl) or repack with dstrain data pack {folder}")
+
+
 def resplit(folder: Path) -> dict:
     """Recompute the split of a packed corpus from its prompts (no target needed: the records are unchanged) and
     rewrite the manifest atomically."""
@@ -149,6 +177,7 @@ def unpack(folder: Path, out: Path, split: str = "all") -> int:
 def held_out_prompts(folder: Path, out: Path) -> int:
     """The held-out prompts (any not yet answered included) as a prompts JSONL, for dstrain eval."""
     man = manifest(folder)
+    _check_prompts(Path(folder), man)
     keep = set(man["held_out"]["ids"])
     lines = [line for line in (Path(folder) / "prompts.jsonl").read_text().splitlines()
              if line.strip() and json.loads(line)["id"] in keep]

@@ -19,12 +19,13 @@ def make_config(args, sizes):
 
         if not torch.cuda.is_available():
             raise UserError("--device cuda: torch sees no GPU here; run with --device cpu")
+    from dstrain.data.corpus import resolve as resolve_corpus
     from dstrain.recipe_files import resolve_recipe_path
 
     args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))  # a file or a shipped recipe's name
     out = Path(args.out).resolve()
     cache = None if args.no_feature_cache else Path(args.feature_cache) if args.feature_cache else out / "feature_cache"
-    return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=Path(args.corpus).resolve(),
+    return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=resolve_corpus(args.corpus),
                   families=[], steps=0, eval_prompts=sizes.bench_prompts, max_new_tokens=sizes.bench_new_tokens,
                   batch=sizes.bench_prompts, device=args.device, seed=args.seed, curve_points=1,
                   curve_prompts=sizes.eval_per_domain, curve_new_tokens=sizes.eval_new_tokens,
