@@ -50,14 +50,15 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("drafter", help="training run folder or exported drafter folder")
     ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
-    ap.add_argument("--rollouts", help="rollouts.pt written by dstrain eval (uses this drafter's entry)")
+    ap.add_argument("--rollouts", help="rollouts.pt written by dstrain eval (uses this drafter's entry; default: "
+                    "decode held-out prompts here)")
     ap.add_argument("--name", help="which drafter's rollouts in --rollouts (default: the only one)")
     ap.add_argument("--prompts", help="held-out prompts JSONL (default: generated prompts, --count of them)")
     ap.add_argument("--count", type=int, default=48, help="generated held-out prompts (default %(default)s)")
     ap.add_argument("--seed", type=int, default=1009, help="held-out prompt seed; training's is 0 (default %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="most new tokens per held-out prompt (default %(default)s)")
+    ap.add_argument("--batch", type=int, default=8, help="prompts decoded together (default %(default)s)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts (default %(default)s)")
     ap.add_argument("--out", default="runs/calibrate", help="report folder (default %(default)s)")
     return ap
 

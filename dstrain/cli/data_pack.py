@@ -19,8 +19,8 @@ from dstrain.errors import UserError
 
 def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folder", nargs="?", default="corpus/smollm2_moe")
-    ap.add_argument("--recipe", default="recipes/smollm2_moe.yaml", help="the recipe whose target made the corpus")
+    ap.add_argument("folder", nargs="?", default="corpus/smollm2_moe", help="the corpus folder (default %(default)s)")
+    ap.add_argument("--recipe", default="recipes/smollm2_moe.yaml", help="the recipe whose target made the corpus (default %(default)s)")
     ap.add_argument("--prompt-count", type=int, help="record the make_prompts --count used (provenance)")
     ap.add_argument("--prompt-seed", type=int, help="record the make_prompts --seed used (provenance)")
     ap.add_argument("--unpack", action="store_true", help="write conversations.jsonl back from the packed corpus")

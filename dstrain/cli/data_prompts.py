@@ -37,7 +37,7 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
                                  "functions, Python help topics.")
     ap.add_argument("--out", required=True, help="output JSONL: {id, domain, source, turns}")
     ap.add_argument("--count", type=int, default=1000, help="number of prompts (default 1000)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompt draw (default %(default)s)")
     ap.add_argument("--mix", default=",".join(f"{k}={v}" for k, v in DEFAULT_MIX.items()), help="domain weights (default: %(default)s)")
     return ap
 

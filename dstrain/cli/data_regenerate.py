@@ -25,19 +25,19 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     src.add_argument("--recipe", help="use the recipe's target (local HF backend); builds the default upcycled target if needed")
     src.add_argument("--target-dir", help="a local Hugging Face model folder")
     src.add_argument("--endpoint", help="OpenAI-compatible base URL, e.g. http://host:30000/v1 (SGLang / vLLM)")
-    ap.add_argument("--model", default="default", help="model name sent to the endpoint")
+    ap.add_argument("--model", default="default", help="model name sent to the endpoint (default %(default)s)")
     ap.add_argument("--target-name", help="name recorded in each record (default: the recipe's target.name or the folder name)")
     ap.add_argument("--batch-size", type=int, help="sequences decoded together / concurrent requests to the endpoint "
                     "(default: 64; 16 with --continuous)")
     ap.add_argument("--continuous", action="store_true", help="local target: transformers' continuous batching instead of "
                     "static length-bucketed batches")
     ap.add_argument("--static", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old commands
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--top-p", type=float, default=0.9)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--limit", type=int, help="answer at most this many pending prompts")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the answers (default %(default)s)")
+    ap.add_argument("--top-p", type=float, default=0.9, help="nucleus (top-p) sampling of the answers (default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="most new tokens per answer (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    ap.add_argument("--limit", type=int, help="answer at most this many pending prompts (default: all of them)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
 

@@ -28,14 +28,16 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--prompts", help="JSONL of prompts (default: the packaged GSM8K / HumanEval / MT-Bench sets)")
     ap.add_argument("--domains", default="math,code,chat", help="benchmark domains (default %(default)s)")
     ap.add_argument("--limit", type=int, default=20, help="prompts per domain (default %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per prompt (default %(default)s)")
     ap.add_argument("--batch", type=int, default=8, help="prompts decoded together (default %(default)s)")
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default %(default)s)")
     ap.add_argument("--gamma", type=int, help="draft length (default: the drafter's block size)")
-    ap.add_argument("--threshold", type=float, help="verify drafts while the calibrated survival stays >= this")
-    ap.add_argument("--sps", help="SPS table (tools/profile_sps.py): verify what the Algorithm 2 scheduler admits per batch")
+    ap.add_argument("--threshold", type=float, help="verify drafts while the calibrated survival stays >= this "
+                    "(default: none, every draft is verified whole)")
+    ap.add_argument("--sps", help="SPS table (tools/profile_sps.py): verify what the Algorithm 2 scheduler admits per batch "
+                    "(default: none, every draft is verified whole)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the target-alone speed run")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling (default %(default)s)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the target and drafters decode (default %(default)s)")
     ap.add_argument("--out", default="runs/eval", help="output folder (default %(default)s)")

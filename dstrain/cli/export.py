@@ -39,7 +39,7 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
                          "the DSpark layout SGLang's DSparkDraftModel reads; sglang-eagle3: SGLang's own Eagle3 layout "
                          "(see dstrain/decoding/formats.py); deepseek-v4: a V4 DSpark drafter as vLLM "
                          "DSparkDeepseekV4ForCausalLM (@ 03435722) and SGLang DeepseekV4ForCausalLMDSpark (@ 00e5caa8) "
-                         "load it, quantised like the target (dstrain/decoding/v4_format.py)")
+                         "load it, quantised like the target (dstrain/decoding/v4_format.py). Default: %(default)s")
     ap.add_argument("--engine", choices=["vllm", "sglang", "speculators", "dstrain"],
                     help="the program that will load the export (default: the format's: speculators -> vllm, deepspec and "
                          "sglang-eagle3 -> sglang); what it cannot load is refused before any weights load, and the minimum "

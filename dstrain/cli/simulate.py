@@ -56,15 +56,16 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rollouts", required=True, help="rollouts.pt from dstrain eval")
     ap.add_argument("--drafter", required=True, help="the confidence-head drafter's name in the rollouts")
-    ap.add_argument("--mtp", help="the MTP-1 drafter's name in the rollouts (its own traces)")
+    ap.add_argument("--mtp", help="the MTP-1 drafter's name in the rollouts (its own traces; default: no MTP-1 policy)")
     ap.add_argument("--sps", required=True, help="sps.json from tools/profile_sps.py")
     ap.add_argument("--sts", help="sts.json with the drafter's STS temperatures (default: uncalibrated)")
-    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128", help="comma-separated counts of concurrent requests, one simulated point each "
+                    "(default %(default)s)")
     ap.add_argument("--steps", type=int, default=400, help="simulated steps per point (default %(default)s)")
-    ap.add_argument("--mix", default="math=1,code=1,chat=1", help="domain mix of new requests")
-    ap.add_argument("--thresholds", default="0.5", help="static survival thresholds")
+    ap.add_argument("--mix", default="math=1,code=1,chat=1", help="domain mix of new requests (default %(default)s)")
+    ap.add_argument("--thresholds", default="0.5", help="static survival thresholds, comma-separated (default %(default)s)")
     ap.add_argument("--slas", help="per-user tokens/s SLAs for the table (default: spread over the range seen)")
-    ap.add_argument("--out", default="runs/serving")
+    ap.add_argument("--out", default="runs/serving", help="output folder (default %(default)s)")
     return ap
 
 

@@ -17,10 +17,14 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--recipe", help="a recipe with target.source=smollm2_moe (uses its target.upcycle settings)")
     ap.add_argument("--dense", help="a dense Hugging Face model folder (instead of --recipe)")
     ap.add_argument("--out", help="output folder for --dense")
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--noise", type=float, default=0.0, help="relative per-expert weight noise so routing matters")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experts", type=int, default=8, help="experts per MoE layer, with --dense (default %(default)s; with "
+                    "--recipe: its target.upcycle.num_experts)")
+    ap.add_argument("--top-k", type=int, default=2, help="experts routed per token, with --dense (default %(default)s; with "
+                    "--recipe: its target.upcycle.top_k)")
+    ap.add_argument("--noise", type=float, default=0.0, help="relative per-expert weight noise so routing matters, with --dense "
+                    "(default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the router weights and the expert noise, with --dense "
+                    "(default %(default)s)")
     ap.add_argument("--check", action="store_true", help="print max |logits(moe) - logits(dense)| on a sample prompt")
     return ap
 
