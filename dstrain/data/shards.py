@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import webdataset as wds
-from tqdm import tqdm
 
+from dstrain.progress import progress as progress_bar
 from dstrain.data.records import BadDataReport, check_conversation, read_jsonl
 from dstrain.data.tokenize import BadSample, ChatTokenizer, TokenizeConfig, tokenizer_fingerprint
 from dstrain.errors import UserError
@@ -102,6 +102,14 @@ class ShardSink:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as fh:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
+    except OSError:
+        return 0  # read_jsonl names an unreadable input in its own line
+
+
 def build_shards(inputs: list[str], out_dir: str, tokenizer, cfg: TokenizeConfig, target_name: str,
                  samples_per_shard: int = 1000, overwrite: bool = False, progress: bool = True) -> dict:
     chat = ChatTokenizer(tokenizer, cfg)
@@ -110,7 +118,8 @@ def build_shards(inputs: list[str], out_dir: str, tokenizer, cfg: TokenizeConfig
     read = 0
     try:
         seen: set[str] = set()
-        bar = tqdm(desc="make_shards", unit="conv", disable=not progress, dynamic_ncols=True)
+        lines = sum(_count_lines(p) for p in inputs)  # a total, so the bar has an ETA (seconds per GB of text)
+        bar = progress_bar(lines, "make_shards", "conv", enabled=progress)
         for path in inputs:
             for lineno, obj in read_jsonl(path, report):
                 read += 1
