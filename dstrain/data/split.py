@@ -6,7 +6,9 @@ copies of training prompts into the held-out set and its τ measures memorisatio
 1. Exact duplicates (same normalised first turn: lower case, runs of non-alphanumerics folded to one space) keep
    only their first prompt by id; the rest are dropped from both sides.
 2. Near-duplicates: two prompts whose word 8-gram sets overlap by at least NEAR of the smaller set
-   (|A ∩ B| / min(|A|, |B|) ≥ 0.5, over all turns) are linked; linked prompts form clusters (union-find). The
+   (|A ∩ B| / min(|A|, |B|) ≥ 0.5, over all turns, or over first turns alone: evaluation prompts with the first
+   turn, and a shared first turn is hidden by long different follow-ups) are linked; linked prompts form clusters
+   (union-find). The
    overlap coefficient, not Jaccard, because a short prompt that copies most of a long one is a duplicate for
    the drafter (it has seen the continuation) even when the long one has much more text.
 3. Whole clusters go to one side: per domain, clusters in a seeded hash order fill the held-out side until it
@@ -26,7 +28,7 @@ NEAR = 0.5  # overlap coefficient of word 8-gram sets at or above which two prom
 HELD_OUT_FRACTION = 0.1
 SEED = "dstrain-split-1"
 RULE = (f"exact duplicates by normalised first turn dropped; near-duplicates (word {NGRAM}-gram overlap coefficient "
-        f">= {NEAR}) clustered and kept on one side; clusters in sha256 order fill {HELD_OUT_FRACTION:.0%} per domain")
+        f">= {NEAR}, over all turns or over first turns) clustered and kept on one side; clusters in sha256 order fill {HELD_OUT_FRACTION:.0%} per domain")
 
 _NON_WORD = re.compile(r"[^0-9a-z]+")
 
@@ -91,6 +93,13 @@ def _text(record: dict) -> str:
     return "\n".join(record["turns"])
 
 
+def _first(record: dict) -> str:
+    return record["turns"][0]
+
+
+VIEWS = (_text, _first)  # two prompts are near-duplicates if either view of them is
+
+
 def split(prompts: list[dict], fraction: float = HELD_OUT_FRACTION, seed: str = SEED) -> dict:
     """{"held_out": ids, "train": ids, "dropped": {id: kept duplicate id}, "clusters": n, "largest_cluster": n}.
     Deterministic in the prompts and the seed."""
@@ -105,8 +114,9 @@ def split(prompts: list[dict], fraction: float = HELD_OUT_FRACTION, seed: str = 
             first[key] = pid
     kept = sorted(set(by_id) - set(dropped))
     uf = _UnionFind(kept)
-    for a, b, _ in near_pairs({i: _text(by_id[i]) for i in kept}):
-        uf.union(a, b)
+    for view in VIEWS:
+        for a, b, _ in near_pairs({i: view(by_id[i]) for i in kept}):
+            uf.union(a, b)
     clusters: dict[str, list[str]] = defaultdict(list)
     for i in kept:
         clusters[uf.find(i)].append(i)
@@ -132,14 +142,16 @@ def split(prompts: list[dict], fraction: float = HELD_OUT_FRACTION, seed: str = 
 
 def leaks(train: list[dict], held_out: list[dict], threshold: float = NEAR) -> list[tuple[str, str, float]]:
     """Pairs (held-out id, training id, score) that are exact or near duplicates across the split: [] when clean."""
-    texts = {("h", r["id"]): _text(r) for r in held_out} | {("t", r["id"]): _text(r) for r in train}
     firsts = defaultdict(set)
     for r in train:
         firsts[normalise(r["turns"][0])].add(r["id"])
     out = [(r["id"], t, 1.0) for r in held_out for t in sorted(firsts.get(normalise(r["turns"][0]), ()))]
-    keyed = {f"{side}\t{i}": t for (side, i), t in texts.items()}
-    for a, b, score in near_pairs(keyed, threshold):
-        (sa, ia), (sb, ib) = a.split("\t"), b.split("\t")
-        if sa != sb:
-            out.append((ia, ib, score) if sa == "h" else (ib, ia, score))
-    return sorted(set(out))
+    best: dict[tuple[str, str], float] = {}
+    for view in VIEWS:
+        keyed = {f"h\t{r['id']}": view(r) for r in held_out} | {f"t\t{r['id']}": view(r) for r in train}
+        for a, b, score in near_pairs(keyed, threshold):
+            (sa, ia), (sb, ib) = a.split("\t"), b.split("\t")
+            if sa != sb:
+                pair = (ia, ib) if sa == "h" else (ib, ia)
+                best[pair] = max(best.get(pair, 0.0), score)
+    return sorted(set(out) | {(h, t, score) for (h, t), score in best.items()})
