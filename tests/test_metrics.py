@@ -68,3 +68,24 @@ def test_a_run_logs_prefixed_metrics_everywhere_and_says_when_wandb_falls_back(t
     assert len(records) == 1, list((run / "wandb").rglob("*"))[:20]
     data = records[0].read_bytes()
     assert all(name.encode() in data for name in ("train/loss", "train/tau_hat", *THROUGHPUT, "train/mfu"))
+
+
+def test_no_interval_from_fewer_than_two_prompts_per_domain():
+    """One prompt has nothing to resample: the bootstrap used to return a zero-width interval (read as certainty);
+    now nan, in every interval that depends on such a domain, while the points stay."""
+    import math
+
+    import torch
+
+    from dstrain.decoding import bootstrap as B
+
+    one = (torch.tensor([7.0]), torch.tensor([5.0]))
+    many = (torch.tensor([7.0, 3.0, 9.0]), torch.tensor([5.0, 3.0, 4.0]))
+    r = B.ratio_interval(*one)
+    assert r["tau"] == 1.4 and math.isnan(r["lo"]) and math.isnan(r["hi"])
+    m = B.macro_interval({"math": one, "code": many})
+    assert math.isnan(m["lo"]) and math.isnan(m["hi"]) and m["tau"] > 0
+    assert math.isnan(B.paired_difference(one, one)["lo"])
+    assert math.isnan(B.pooled_paired_difference([{"math": one, "code": many}], [{"math": one, "code": many}])["hi"])
+    full = B.macro_interval({"math": many, "code": many})
+    assert full["lo"] < full["tau"] < full["hi"]

@@ -22,6 +22,10 @@ def prompt_totals(logs: dict[str, torch.Tensor], prompts: int | None = None) -> 
     return tokens, rounds
 
 
+MIN_PROMPTS = 2  # a bootstrap over one prompt has nothing to resample: its interval would have zero width
+NAN = float("nan")
+
+
 def _draws(n: int, samples: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, n, (samples, n), generator=generator)
 
@@ -31,8 +35,8 @@ def ratio_interval(tokens: torch.Tensor, rounds: torch.Tensor, samples: int = 20
     """τ = Σ tokens / Σ rounds and its percentile bootstrap interval, prompts resampled with replacement."""
     tokens, rounds = tokens.double(), rounds.double()
     point = float(tokens.sum() / rounds.sum().clamp(min=1e-12))
-    if len(tokens) < 2:
-        return {"tau": point, "lo": point, "hi": point, "prompts": len(tokens)}
+    if len(tokens) < MIN_PROMPTS:  # no interval, rather than a zero-width one
+        return {"tau": point, "lo": NAN, "hi": NAN, "prompts": len(tokens)}
     idx = _draws(len(tokens), samples, torch.Generator().manual_seed(seed))
     boot = tokens[idx].sum(1) / rounds[idx].sum(1).clamp(min=1e-12)
     lo, hi = percentiles(boot, level)
@@ -49,11 +53,14 @@ def macro_samples(per_domain: dict[str, tuple[torch.Tensor, torch.Tensor]], samp
         tokens, rounds = tokens.double(), rounds.double()
         points.append(float(tokens.sum() / rounds.sum().clamp(min=1e-12)))
         idx = _draws(len(tokens), samples, gen)
-        boots.append(tokens[idx].sum(1) / rounds[idx].sum(1).clamp(min=1e-12))
+        boot = tokens[idx].sum(1) / rounds[idx].sum(1).clamp(min=1e-12)
+        boots.append(boot if len(tokens) >= MIN_PROMPTS else torch.full_like(boot, NAN))  # nan spreads to the macro
     return sum(points) / len(points), torch.stack(boots).mean(0)
 
 
 def percentiles(boot: torch.Tensor, level: float = 0.95) -> tuple[float, float]:
+    if boot.isnan().any():
+        return NAN, NAN
     lo, hi = torch.quantile(boot.double(), torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
     return lo, hi
 
@@ -72,6 +79,9 @@ def paired_difference(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tenso
     (ta, ra), (tb, rb) = (t.double() for t in a), (t.double() for t in b)
     if len(ta) != len(tb):
         raise ValueError(f"paired bootstrap needs the same prompts ({len(ta)} vs {len(tb)})")
+    if len(ta) < MIN_PROMPTS:
+        return {"diff": float(ta.sum() / ra.sum().clamp(min=1e-12) - tb.sum() / rb.sum().clamp(min=1e-12)),
+                "lo": NAN, "hi": NAN}
     idx = _draws(len(ta), samples, torch.Generator().manual_seed(seed))
     diff = ta[idx].sum(1) / ra[idx].sum(1).clamp(min=1e-12) - tb[idx].sum(1) / rb[idx].sum(1).clamp(min=1e-12)
     lo, hi = percentiles(diff, level)
@@ -99,5 +109,6 @@ def pooled_paired_difference(a: list[dict], b: list[dict], samples: int = 2000, 
         return torch.stack(per_seed).mean(0)
 
     diff = macro(a, True) - macro(b, True)
-    lo, hi = percentiles(diff, level)
+    few = any(len(a[0][d][0]) < MIN_PROMPTS for d in domains)
+    lo, hi = (NAN, NAN) if few else percentiles(diff, level)
     return {"diff": float(macro(a, False) - macro(b, False)), "lo": lo, "hi": hi, "level": level}
