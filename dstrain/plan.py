@@ -32,6 +32,7 @@ class Plan:
     flops: StepFlops
     load: dict[str, int] | None = None  # bytes a megatron target rank reads of a local checkpoint (sharded_load.plan_bytes)
     v4_dims: object = None  # drafter.backbone resolved to v4: its draft layers' shape (the target's V4DraftDims)
+    target_config: object = None  # the target's HF config: what the engine rules read (architecture, V4 keys)
 
 
 def check_layout(recipe: Recipe, sizes: TargetSizes) -> None:
@@ -123,7 +124,7 @@ def build_plan(recipe: Recipe) -> Plan:
     ffn = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", 0) or 0
     return Plan(recipe, source, sizes, list(capture), dparams,
                 memory_estimate(recipe, sizes, dparams, len(capture), held, ffn), step_flops(recipe, cfg, sizes, drafter), load,
-                getattr(drafter, "dims", None))
+                getattr(drafter, "dims", None), cfg)
 
 
 def load_estimate(recipe: Recipe, stage_plans: list) -> dict[str, int] | None:
@@ -212,7 +213,8 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     add(f"  drafter  {dr.type}: {dr.num_layers} layers, gamma={dr.block_size}, window={dr.sliding_window or 'full'}, ffn={ffn}"
         + "".join(f", {e}" for e in extras if e))
     add(f"           {_n(plan.drafter_params)} trainable params; embedding + LM head: the target's, frozen, not saved")
-    add(f"  serving  {export_line(dr) if v4 is None else 'dstrain export --format deepseek-v4: the DeepSeek-V4 DSpark layout (mtp.{i}.*) vLLM DSparkDeepseekV4ForCausalLM and SGLang DeepseekV4ForCausalLMDSpark load'}")
+    for i, line in enumerate(serving_lines(dr, plan.target_config, v4 is not None, r.target.path or r.target.name)):
+        add(("  serving  " if i == 0 else "           ") + line)
     add(f"  loss     alpha_ce={r.loss.alpha_ce} alpha_tv={r.loss.alpha_tv} alpha_conf={r.loss.alpha_conf} gamma_decay={r.loss.gamma_decay}")
     add(f"  data     shards={r.data.shards} max_length={r.data.max_length} anchors/seq={r.anchors.per_sequence} shuffle={r.data.shuffle}")
     add(f"  train    {r.train.steps} steps x micro-batch {r.train.micro_batch_size} x accum {r.train.grad_accum}; lr {r.train.lr:g}"
@@ -291,12 +293,14 @@ def print_plan(recipe: Recipe, recipe_path: str) -> int:
     return 0
 
 
-def export_line(drafter_cfg) -> str:
-    """Which engines will load what this recipe trains (decoding/engines.py), said before the run rather than at export."""
-    from dstrain.decoding.engines import exportable_to
+def serving_lines(drafter_cfg, target_config, v4: bool, target: str = "TARGET") -> list[str]:
+    """What each engine will do with what this recipe trains, on this target (decoding/engines.py's rules), said
+    before the run rather than at export."""
+    from dstrain.decoding import engines
 
-    verdicts = []
-    for key, problems in exportable_to(drafter_cfg).items():
-        engine, fmt = key.split(":")
-        verdicts.append(f"{engine} (--format {fmt}): " + ("loads" if not problems else "refused, needs " + "; ".join(p.split(" (")[0] for p in problems)))
-    return " | ".join(verdicts) if verdicts else "dstrain's own format only"
+    if v4:  # the V4-native drafter (drafter.backbone=v4): --format deepseek-v4 only
+        drafter_cfg = drafter_cfg.model_copy(update={"backbone": "v4"})
+    host = target_config.to_dict() if hasattr(target_config, "to_dict") else None
+    arch = engines.target_architecture(target_config) if target_config is not None else None
+    lines = engines.serving_lines(drafter_cfg, arch, host if v4 else None, "OUT", target)
+    return lines + ["(the rules and their sources: docs/export.md; dstrain export prints them with the command to serve)"]

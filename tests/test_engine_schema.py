@@ -15,8 +15,8 @@ No engine was run: this checks names and shapes against the transcription, not a
 
 What is checked: the fixture is well formed (every weight says which engines read it, every source has repo, path and
 commit), and V4DraftLayer's state_dict() keys are exactly the per-layer names (`{e}` over the routed experts), each
-shape equal to its formula evaluated on a tiny DeepseekV4Config; --format deepseek-v4's storage rules (what stays
-fp32, what may be quantised) are the fixture's. The export itself is checked against the fixture in test_v4_format.py.
+shape equal to its formula evaluated on a tiny DeepseekV4Config (n_shared_experts 1 and 2); --format deepseek-v4's
+storage rules (what stays fp32, what may be quantised) are the fixture's. The export itself is checked against the fixture in test_v4_format.py.
 """
 
 import json
@@ -61,8 +61,10 @@ def test_fixture_is_well_formed(schema):
     assert {"dspark_target_layer_ids", "dspark_markov_rank", "hc_mult", "hc_eps", "expert_dtype"} <= set(keys)
 
 
-def test_draft_layer_state_dict_is_the_engines_layer_schema(schema):
-    cfg = DeepseekV4Config(**TINY)
+@pytest.mark.parametrize("shared", [1, 2])
+def test_draft_layer_state_dict_is_the_engines_layer_schema(schema, shared):
+    """With n_shared_experts = 2 the engines' shared MLP is moe_intermediate_size * 2 wide (one fused MLP)."""
+    cfg = DeepseekV4Config(**{**TINY, "n_shared_experts": shared})
     layer = V4DraftLayer(V4DraftDims.from_config(cfg), rope_of(cfg)["main"])
     want = {}
     for name, entry in schema["layer_weights"].items():

@@ -17,13 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 # What no speculators/DeepSpec layer holds (MoE FFNs; mHC streams); V4's drafter has its own layout (deepseek-v4).
 NO_ENGINE_LAYER = ("drafter.ffn.type=dense", "drafter.mhc.enabled=false")
+DENSE = ["drafter.ffn.type=dense", "drafter.qk_norm=true", "drafter.mask_token_id=509"]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_shipped_recipes_train_what_the_engines_load(path):
     """Every shipped recipe passes the speculators/DeepSpec export check in everything a recipe chooses for
     serving (q/k norms, a mask token, the anchor layout, the Markov head); the only refusals left are the MoE and
-    mHC layers no engine format holds, and the recipes without them load in vLLM and SGLang as they are."""
+    mHC layers no engine format holds, and the recipes without them pass vLLM's and SGLang's export checks as they are
+    (what each engine then does on each recipe's target: the plan test below, tests/test_engine_rules.py)."""
     cfg = load_recipe(path).drafter
     if cfg.backbone == "v4":  # V4's own mtp.* layout: --format deepseek-v4 (tests/test_v4_format.py), not these formats
         assert path.stem.startswith("v4_") and cfg.type == "dspark"
@@ -35,7 +37,7 @@ def test_shipped_recipes_train_what_the_engines_load(path):
         assert not left, f"{path.name} {key}: {left}"
         assert bool(problems) == (cfg.ffn.type != "dense" or cfg.mhc.enabled), (path.name, key, problems)
     if cfg.ffn.type == "dense" and not cfg.mhc.enabled:
-        assert engines.check(cfg, "speculators").startswith("loads in vLLM >= 0.26.0")
+        assert engines.check(cfg, "speculators").startswith("written for vLLM")
 
 
 def test_each_engine_refuses_in_one_line_what_it_cannot_load():
@@ -44,7 +46,7 @@ def test_each_engine_refuses_in_one_line_what_it_cannot_load():
     with pytest.raises(UserError, match=r"for vLLM: .*drafter.head=markov \(vLLM's DSpark proposer builds the vanilla"):
         engines.check(rnn, "speculators")
     assert "speculators == 0.9.0" in engines.check(rnn, "speculators", "speculators")  # the format holds it
-    assert engines.check(rnn, "deepspec").startswith("loads in SGLang")
+    assert engines.check(rnn, "deepspec").startswith("written for SGLang")
     old = load_recipe(ROOT / "recipes/tiny_moe.yaml", ["drafter.qk_norm=false", "drafter.mask_token_id=null"]).drafter
     with pytest.raises(UserError) as e:
         engines.check(old, "speculators")
@@ -92,7 +94,11 @@ def test_export_refuses_before_loading_weights_and_init_from_bridges_to_exportab
     assert all(torch.equal(got[k], had[k]) for k in had if k != "mask_embed")
     bridged_art = artifacts.DrafterArtifact("new", tmp_path / "run2", new_recipe.drafter.model_dump(mode="json"),
                                             new_recipe.target.model_dump(mode="json"), got)
-    assert artifacts.check_export(bridged_art, "speculators").startswith("loads in vLLM")
+    assert artifacts.check_export(bridged_art, "speculators").startswith("written for vLLM")
+    # what `dstrain export` prints after writing: tiny_moe's target is Mixtral-format, which vLLM hosts no drafter on
+    lines = engines.export_lines(bridged_art, target, tmp_path / "out", "speculators")
+    assert lines[0].startswith("vLLM (--format speculators): refuses — ") and "MixtralForCausalLM does not" in lines[0]
+    assert not any("loads in vLLM" in line for line in lines)
 
     # what cannot be bridged stays a one-line refusal: dropping q/k norms, or another block layout
     for overrides, what in ((["drafter.qk_norm=false", "drafter.mask_token_id=null"], None),
@@ -108,11 +114,22 @@ def test_export_refuses_before_loading_weights_and_init_from_bridges_to_exportab
     assert bridged == ["learned mask vector replaced by the target's embedding of token 509"]
 
 
-def test_the_plan_says_which_engines_will_load_the_drafter():
+def test_the_plan_says_what_each_engine_does_on_the_target():
+    """The serving lines are the engine rules' verdicts on the recipe's target: Qwen3-MoE hosts a DSpark drafter in
+    vLLM on its GPU runner; the V4 drafter at γ = 5 passes vLLM's n_predict rule; a Mixtral target hosts none."""
     from dstrain.plan import build_plan, format_plan
 
-    dense = format_plan(build_plan(load_recipe(ROOT / "recipes/qwen3_moe.yaml")), "qwen3_moe")
-    assert "  serving  vllm (--format speculators): loads | sglang (--format deepspec): loads" in dense
+    dense = format_plan(build_plan(load_recipe(ROOT / "recipes/qwen3_moe.yaml")), "qwen3_moe").splitlines()
+    serving = dense[next(i for i, line in enumerate(dense) if line.startswith("  serving  ")):]
+    assert serving[0] == ("  serving  vLLM (--format speculators): loads — needs the V2 model runner, which requires Triton "
+                          "(a GPU build): vLLM's CPU build refuses DSpark with 'Model Runner V1 does not support: dspark "
+                          "speculative decoding', and its V2 runner 'requires Triton'; and >= 0.26.0: speculators "
+                          "DSpark/DFlash from vllm#46995/#47093, sample_from_anchor read from vllm#48639 (after 0.25.0)")
+    assert serving[1].strip().startswith("vllm serve ") and "--speculative-config '{\"method\": \"dspark\", \"model\"" in serving[1]
+    assert any(line.strip().startswith("SGLang (--format deepspec): loads") for line in serving)
     v4 = format_plan(build_plan(load_recipe(ROOT / "recipes/v4_flash.yaml")), "v4_flash")
-    # the V4-native drafter (drafter.backbone=v4) is the engines' own V4 DSpark layout
-    assert "  serving  dstrain export --format deepseek-v4: the DeepSeek-V4 DSpark layout (mtp.{i}.*) vLLM" in v4
+    assert "  serving  vLLM (--format deepseek-v4): loads — needs the V2 model runner" in v4
+    assert '"num_speculative_tokens": 5}' in v4 and "SGLang (--format deepseek-v4): loads" in v4
+    tiny = format_plan(build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml", DENSE)), "tiny_moe")
+    assert "  serving  vLLM (--format speculators): refuses — the target class must expose auxiliary hidden states" in tiny
+    assert "loads in vLLM" not in tiny

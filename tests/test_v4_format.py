@@ -4,7 +4,8 @@ Three tiny V4 hosts, as the target checkpoint the drafter is served beside: bf16
 tensors span several blocks) with FP8 experts; FP8 with FP4 experts (V4-Flash's layout). The drafter exported is
 quantised like its host and imported (drafter.init_from) back into a freshly built V4BlockDrafter:
 
-- bf16 host: bit-exact (a drafter whose weights are bf16 values; hc_*, attn_sink, gate.bias, confidence head fp32).
+- bf16 host: bit-exact (a drafter whose weights are bf16 values; hc_*, attn_sink, gate.bias fp32; the confidence head
+  bf16, as the release stores it).
 - FP8 (e4m3, power-of-two ue8m0 block scales): the block's amax lands in (224, 448] x scale, e4m3 keeps 3 mantissa
   bits, so |error| <= |w| / 16 for every normal value: max |Δ| / max |w| <= 1/16 per block, hence per tensor.
   Measured over this test drafter's tensors: 0.042 (printed by the test).
@@ -118,6 +119,7 @@ def test_bf16_round_trip_is_bit_exact(hosts, tmp_path):
     for k, t in stored.items():
         want = torch.float32 if v4_format._keeps_fp32(v4_format._rel(k)) else torch.bfloat16
         assert t.dtype == want, k
+    assert stored[f"mtp.{LAYERS - 1}.confidence_head.proj.weight"].dtype == torch.bfloat16  # as the release stores it
     twin = import_into(out, hosts["bf16"])
     want, got = drafter.state_dict(), twin.state_dict()
     assert [k for k in want if not torch.equal(want[k], got[k])] == []
@@ -194,13 +196,47 @@ def test_config_keys(hosts, tmp_path):
     hf = load_config(host)
     assert config["dspark_target_layer_ids"] == CAPTURE  # 0-based decoder layers: capture_layers unshifted
     assert (config["dspark_markov_rank"], config["dspark_noise_token_id"], config["dspark_block_size"]) == (RANK, NOISE, 4)
-    assert config["n_mtp_layers"] == config["num_nextn_predict_layers"] == len(config["dspark_target_layer_ids"]) == LAYERS
+    assert config["n_mtp_layers"] == len(config["dspark_target_layer_ids"]) == LAYERS
+    assert config["num_nextn_predict_layers"] == json.loads((host / "config.json").read_text())["num_nextn_predict_layers"] == 1
     assert config["enable_confidence_head"] is True and config["expert_dtype"] == "fp4"
     assert (config["hc_mult"], config["hc_eps"]) == (hf.hc_mult, hf.hc_eps)
     host_ratios = [0 if t == "sliding_attention" else hf.compress_rates[t] for t in hf.layer_types]
     assert config["compress_ratios"] == host_ratios + [0] * LAYERS
     assert config["quantization_config"]["scale_fmt"] == "ue8m0" and config["topk_method"] == "noaux_tc"
     assert config["model_type"] == "deepseek_v4" and config["dstrain"] == {"target_fingerprint": "x"}
+
+
+def test_vllm_starts_the_export_at_gamma_5(hosts, tmp_path):
+    """vLLM's n_predict rule (decoding/engines.py, vllm-n-predict) on the written config at γ = 5, the release's block:
+    the host's num_nextn_predict_layers (1) is kept, in the export and in a checkpoint the drafter is added to, so 5
+    speculative tokens pass; n = 3 (one per draft layer) would be refused."""
+    from dstrain.decoding import engines
+
+    out, _ = v4_format.export(make_drafter(hosts["bf16"], cfg=drafter_cfg(block_size=5)), hosts["bf16"], tmp_path / "d", CAPTURE)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dspark_block_size"] == 5 and config["n_mtp_layers"] == LAYERS
+    assert engines.n_predict("deepseek-v4", config) == 1 and engines.legal_tokens(5, 1)
+    assert not engines.legal_tokens(5, LAYERS)  # what n_predict = n_mtp_layers would have started with
+    vllm = engines.verdicts(drafter_cfg(block_size=5), "deepseek-v4", "DeepseekV4ForCausalLM", config, str(out))[0]
+    assert vllm.status == "loads" and vllm.speculative_config == {"method": "dspark", "model": str(out), "num_speculative_tokens": 5}
+    refused = engines.verdicts(drafter_cfg(block_size=5), "deepseek-v4", "DeepseekV4ForCausalLM",
+                               {**config, "num_nextn_predict_layers": LAYERS})[0]
+    assert refused.status == "refuses" and refused.why == ["vllm-n-predict"] and refused.speculative_config is None
+    host = write_checkpoint(tmp_path / "released", HOST, dtype="bfloat16")
+    v4_format.add_to_checkpoint(host, make_drafter(host), CAPTURE)
+    written = json.loads((host / "config.json").read_text())
+    assert written["num_nextn_predict_layers"] == 1 and written["n_mtp_layers"] == LAYERS
+
+
+def test_shared_expert_is_moe_intermediate_size_times_n_shared_experts(tmp_path):
+    """n_shared_experts = 2: the exported shared expert is one MLP of 2 * moe_intermediate_size, the engines' shape."""
+    host = write_checkpoint(tmp_path / "host", {**HOST, "n_shared_experts": 2}, dtype="bfloat16")
+    stored = disk(v4_format.export(make_drafter(host), host, tmp_path / "d", CAPTURE)[0])
+    F = 2 * HOST["moe_intermediate_size"]
+    assert tuple(stored["mtp.0.ffn.shared_experts.w1.weight"].shape) == (F, HOST["hidden_size"])
+    assert tuple(stored["mtp.0.ffn.shared_experts.w2.weight"].shape) == (HOST["hidden_size"], F)
+    want = expected_schema(load_config(host), CAPTURE, RANK, LAYERS)
+    assert {k: tuple(t.shape) for k, t in stored.items()} == want
 
 
 def test_released_drafter_in_a_checkpoint_imports_and_reexports(tmp_path, monkeypatch):

@@ -3,8 +3,9 @@ sections, the target's capture layers, a fingerprint of its frozen embedding and
 and model.safetensors (trainable weights only: the embedding and LM head stay the target's). --format speculators
 writes the layout vLLM's speculators loader reads (DSpark / DFlash drafters trained with drafter.qk_norm=true,
 drafter.mask_token_id set, a dense FFN and no mHC); dstrain eval and dstrain calibrate read either. --engine names the
-program that will load it (vLLM >= 0.26.0 for DSpark/DFlash, SGLang, or the speculators library): what it cannot load
-is refused in one line before any weights load.
+program that will load it (vLLM, SGLang, or the speculators library): what no release of it can load is refused in one
+line before any weights load; then each engine's verdict on this drafter and this target is printed (loads / refuses /
+version-bound, each with the rule and its source, dstrain/decoding/engines.py) with vLLM's --speculative-config.
 
   dstrain export runs/smollm2-moe-dspark exports/smollm2-moe-dspark
 
@@ -42,8 +43,8 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
                          "load it, quantised like the target (dstrain/decoding/v4_format.py). Default: %(default)s")
     ap.add_argument("--engine", choices=["vllm", "sglang", "speculators", "dstrain"],
                     help="the program that will load the export (default: the format's: speculators -> vllm, deepspec and "
-                         "sglang-eagle3 -> sglang); what it cannot load is refused before any weights load, and the minimum "
-                         "release is printed (dstrain/decoding/engines.py)")
+                         "sglang-eagle3 -> sglang, deepseek-v4 -> vllm); what it cannot load is refused before any weights "
+                         "load; every engine's verdict on the target is printed after (dstrain/decoding/engines.py)")
     ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
     return ap
 
@@ -52,12 +53,16 @@ def run(args: argparse.Namespace) -> int:
     from dstrain.decoding import artifacts
 
     art = artifacts.read_artifact(args.run, None, args.recipe)
-    loads_in = artifacts.check_export(art, args.format, args.engine)
+    written_for = artifacts.check_export(art, args.format, args.engine)
     target = artifacts.frozen_target_for(art)  # embedding and LM head only: never the target's layers
     out = artifacts.export(art, target, Path(args.out), args.format, args.engine)
     params = sum(v.numel() for v in art.state.values())
     sts = "STS temperatures " + ", ".join(f"{t:.2f}" for t in art.temperatures) if art.temperatures else "not calibrated yet"
     print(f"exported {art.drafter_cfg['type']} drafter ({params / 1e6:.2f}M weights, step {art.steps}) for {target.name} "
           f"[fingerprint {artifacts.fingerprint(target)}; {target.bytes_read / 2**20:.1f} MiB of the target read: embedding"
-          f" and LM head], {sts} -> {out} ({args.format} format; {loads_in})")
+          f" and LM head], {sts} -> {out} ({args.format} format; {written_for})")
+    from dstrain.decoding.engines import export_lines
+
+    for line in export_lines(art, target, out, args.format):
+        print("  " + line)
     return 0

@@ -320,7 +320,7 @@ def check_export(artifact: DrafterArtifact, fmt: str, engine: str | None = None)
         capture = artifact.target_cfg.get("capture_layers")
         if capture:
             v4_format.check_layers(int(artifact.drafter_cfg.get("num_layers", len(capture))), capture)
-        return v4_format.LOADS_IN
+        return v4_format.WRITTEN_FOR
     if v4 and fmt != "dstrain":
         raise UserError(f"--format {fmt}: a V4 DSpark drafter (mtp.* layout) has no place in that layout: export it with "
                         f"--format {v4_format.FORMAT}")

@@ -14,17 +14,21 @@ and which of its layer weights carry a scale companion):
   quantised ReplicatedLinear in both engines) become float8_e4m3fn in the host's weight_block_size blocks with a
   power-of-two (ue8m0) `.scale` beside each, as V4-Flash ships them; routed experts FP4 (two e2m1 per int8, one ue8m0
   scale per 32 columns) where the host's experts are FP4, else as the host's linears.
-- Norms, the router, Markov heads stay in the host's plain dtype (bf16 for the release); mHC tensors, attn_sink,
-  gate.bias and the confidence head stay float32 (the release's and the engines' dtype for them).
+- Norms, the router, the Markov and confidence heads stay in the host's plain dtype (bf16 for the release, which
+  stores confidence_head.proj in BF16; both engines hold that parameter in fp32 and cast on load); mHC tensors,
+  attn_sink and gate.bias stay float32 (the release's and the engines' dtype for them).
+- The shared expert is one MLP of moe_intermediate_size * n_shared_experts, as both engines build it.
 Quantisation reuses targets/tiny_checkpoint.fp8_blocks / fp4_blocks; reading back uses targets/checkpoint.py's
 CheckpointReader, the dequantiser the targets are read with.
 
 Config. config.json is the host's, plus the keys the engines read for the drafter: dspark_target_layer_ids (0-based
 decoder layers, dstrain's capture_layers unshifted: V4-Flash-0731 ships [40, 41, 42] for its 43 layers),
-dspark_markov_rank, dspark_noise_token_id, dspark_block_size, n_mtp_layers (= num_nextn_predict_layers =
-len(dspark_target_layer_ids): SGLang builds one stage per target layer id), enable_confidence_head, hc_mult,
+dspark_markov_rank, dspark_noise_token_id, dspark_block_size, n_mtp_layers (= len(dspark_target_layer_ids): SGLang
+builds one stage per target layer id), enable_confidence_head, hc_mult,
 hc_eps, expert_dtype, compress_ratios (the target layers', then 0 per draft layer: sliding-window only), and a
-`dstrain` section binding it to the target it was trained on (fingerprint, recipe sections).
+`dstrain` section binding it to the target it was trained on (fingerprint, recipe sections). num_nextn_predict_layers
+stays the host's (1 in the release): vLLM takes n_predict from it and refuses a num_speculative_tokens above it that
+is not a multiple of it (decoding/engines.py, rule vllm-n-predict), so n = 3 there would refuse γ = 5.
 """
 
 from __future__ import annotations
@@ -41,11 +45,11 @@ from dstrain.errors import UserError
 
 FORMAT = "deepseek-v4"
 ENGINES = ("vllm", "sglang")
-LOADS_IN = ("loads in vLLM DSparkDeepseekV4ForCausalLM (vllm/models/deepseek_v4/nvidia/dspark.py @ 03435722) and SGLang "
-            "DeepseekV4ForCausalLMDSpark (python/sglang/srt/models/deepseek_v4_dspark.py @ 00e5caa8), as transcribed "
-            "from their loaders (no engine was run here); reference: the released drafter's greedy acceptance, "
-            "4.42 tokens/round on V4-Flash preview at γ=5")
-FP32 = ("attn.attn_sink", "ffn.gate.bias", "confidence_head.proj.weight")  # with every hc_* tensor
+WRITTEN_FOR = ("written for vLLM DSparkDeepseekV4ForCausalLM (vllm/models/deepseek_v4/nvidia/dspark.py @ 03435722) and "
+               "SGLang DeepseekV4ForCausalLMDSpark (python/sglang/srt/models/deepseek_v4_dspark.py @ 00e5caa8), as "
+               "transcribed from their loaders (no engine was run here); reference: the released drafter's greedy acceptance, "
+               "4.42 tokens/round on V4-Flash preview at γ=5")
+FP32 = ("attn.attn_sink", "ffn.gate.bias")  # with every hc_* tensor
 LINEARS = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
            "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight")
 EXPERT = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
@@ -173,7 +177,7 @@ def engine_config(raw: dict, hf, drafter, capture_layers: list[int], scheme: Hos
         "dspark_target_layer_ids": [int(i) for i in capture_layers],
         "dspark_markov_rank": int(drafter.markov_head.markov_w1.weight.shape[1]),
         "dspark_noise_token_id": int(drafter.mask_token_id),
-        "n_mtp_layers": n, "num_nextn_predict_layers": n,
+        "n_mtp_layers": n,
         "enable_confidence_head": True, "confidence_head_with_markov": True,
         "hc_mult": dims.hc_mult, "hc_eps": dims.hc_eps, "qk_rope_head_dim": dims.rope_dim,
         "expert_dtype": {"plain": "bf16"}.get(scheme.experts, scheme.experts),
