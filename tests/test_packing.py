@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import ROOT
 from dstrain.data.anchors import IGNORE, anchor_generator, block_labels, candidate_anchors, sample_anchors
 from dstrain.data.packing import pack_blocks
 from dstrain.models.attention import KeyGroups, _rounded, block_attention
@@ -280,3 +281,43 @@ def test_flex_layout_follows_the_causal_triangle():
         mask = FlexBlocks.build(p.key_index, 4).block_mask(4, 4, len(p.ctx_rows), "cpu")
         flex = flex_pairs(mask) / needed_pairs(p)
         assert 1.0 <= flex <= 1.55 and flex <= 0.8 * sdpa and sdpa >= 1.9, (anchors, flex, sdpa)
+
+
+def _shapes(p) -> tuple:
+    """Every tensor shape of a packing and of its attention plan: what the compiled step specialises on."""
+    from dataclasses import fields
+
+    g = p.key_groups
+    return tuple((f.name, tuple(getattr(p, f.name).shape)) for f in fields(p) if torch.is_tensor(getattr(p, f.name))) + \
+        tuple((k, tuple(v.shape)) for k, v in vars(g).items() if torch.is_tensor(v))
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_a_recipe_packs_to_few_shapes_under_the_recompile_limit(recipe):
+    """Each shipped recipe pads its batches to a fixed set of length buckets from data.max_length, fewer than torch's
+    recompile limit: flex_attention (CUDA, no window) compiles with dynamic=False, and a 9th shape would send it to
+    its dense kernel ([queries x keys] scores: ~17 GB a layer at qwen3_moe's 4096 tokens). Packed as the trainer
+    does on CUDA (flex without a window), every batch lands on a bucket, and the packings take one shape per bucket."""
+    from dstrain.data.loader import Sample
+    from dstrain.data.packing import length_buckets
+    from dstrain.recipe import load_recipe
+    from dstrain.train.step import pack_step
+
+    r = load_recipe(recipe)
+    buckets = length_buckets(r.data.max_length)
+    assert buckets[-1] == r.data.max_length and len(buckets) <= 6 < torch._dynamo.config.recompile_limit
+    gen = torch.Generator().manual_seed(0)
+    shapes = {}
+    shortest = r.drafter.block_size + 2
+    for prev, hi in zip([shortest - 1] + buckets[:-1], buckets):
+        for longest in {min(prev + 1, hi), hi}:  # a bucket's two ends
+            others = torch.randint(shortest, longest + 1, (r.train.micro_batch_size - 1,), generator=gen).tolist()
+            lengths = [longest] + others
+            samples = [Sample(torch.randint(3, 100, (n,), generator=gen), torch.ones(n, dtype=torch.bool), {"id": f"{n}-{i}"})
+                       for i, n in enumerate(lengths)]
+            p = pack_step(r, samples, 0, device="cuda")  # host packing; the device only picks the layout
+            assert p.length_bucket == min(b for b in buckets if b >= longest), (longest, p.length_bucket)
+            shapes.setdefault(p.length_bucket, set()).add(_shapes(p))
+    assert all(len(s) == 1 for s in shapes.values()), {b: len(s) for b, s in shapes.items()}
+    assert len(shapes) <= len(buckets)
+

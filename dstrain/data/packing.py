@@ -11,7 +11,8 @@ The trainer's packing is static (pack_blocks' per_sequence; issue 23): exactly K
 sequence with fewer candidate anchors gets padding slots (keep False: anchor 0, no labels, no context keys) — key
 slots W (or the length bucket without a window), context rows and the Markov head's distinct tokens padded to their
 largest possible count (repeats of the last row: `ctx_rows` stays sorted, never read by key_index), so every shape
-of the step depends on (batch, K, γ, window, length bucket), not on the draw.
+of the step depends on (batch, K, γ, window, length bucket), not on the draw; a recipe's length buckets are a
+fixed set of at most six (length_buckets), so the step has at most six shapes, each compiled once.
 """
 
 from __future__ import annotations
@@ -73,9 +74,35 @@ class PackedBlocks:
                                else v.map(move) for k, v in moved.items()})
 
 
-def length_bucket(length: int) -> int:
-    """The padded length a static packing is shaped for: `length` rounded up to one of 4 sizes per power of two."""
-    return _rounded(max(int(length), 1), 4)
+LENGTH_BUCKETS = 6  # padded lengths per recipe: each is one compiled shape of the step (under torch's recompile limit, 8)
+
+
+def length_buckets(max_length: int, count: int = LENGTH_BUCKETS) -> list[int]:
+    """The padded lengths a recipe's static packing takes, ascending: data.max_length and `count` - 1 sizes below it
+    a factor √2 apart (multiples of 8), so a batch pads by at most √2 above the smallest (1.07x the old per-length
+    rounding's rows on the demo's data, where powers of two gave 1.32x). A fixed, small set: every shape of the step is
+    compiled once (train/compiling.warm_up), and flex_attention, compiled with dynamic=False, never passes torch's
+    recompile limit and falls back to its dense kernel (the whole [queries x keys] score matrix: ~17 GB a layer at
+    4096 tokens)."""
+    top = max(int(max_length), 1)
+    sizes, x = {top}, float(top)
+    while len(sizes) < count and x > 8:
+        x /= 2 ** 0.5
+        sizes.add(min(top, max(8, -(-int(x) // 8) * 8)))
+    return sorted(sizes)
+
+
+def length_bucket(length: int, max_length: int | None = None) -> int:
+    """The padded length a static packing is shaped for: the smallest of length_buckets(max_length) that holds
+    `length`; without max_length (packing outside a recipe: tools, tests) `length` rounded up to one of 4 sizes per
+    power of two, a set that grows with the lengths seen."""
+    length = max(int(length), 1)
+    if max_length is None:
+        return _rounded(length, 4)
+    if length > max_length:
+        raise ValueError(f"a sequence of {length} tokens is longer than data.max_length={max_length}: the loader cuts"
+                         " sequences there, so its length buckets cannot hold it")
+    return next(b for b in length_buckets(max_length) if b >= length)
 
 
 def static_group(per_sequence: int, slots: int, bucket: int, window: int | None, max_group: int = 64) -> int:
@@ -109,9 +136,9 @@ def pack_blocks(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], a
     """`slots`: block slots the drafter attends with (γ, or γ + 1 for DFlash's paper layout), the key groups' masks'.
     `per_sequence`: the static packing — every sequence's anchors padded to exactly this many slots (`keep` marks the
     real ones; default: the anchors given), key slots, context rows and the Markov table padded to sizes fixed by
-    (batch, per_sequence, γ, window, the length bucket of max_length or of the longest sequence), the attention in one
-    BlockGroups call per layer (`flex`: one FlexBlocks call, for CUDA). Without it, the packing of exactly the anchors
-    given (decoding, tests)."""
+    (batch, per_sequence, γ, window, the length bucket of the longest sequence: one of length_buckets(max_length)
+    when `max_length`, the recipe's data.max_length, is given), the attention in one BlockGroups call per layer
+    (`flex`: one FlexBlocks call, for CUDA). Without it, the packing of exactly the anchors given (decoding, tests)."""
     if per_sequence is not None:
         return _pack_static(input_ids, loss_masks, anchors, gamma, mask_token_id, window, slots or gamma, per_sequence,
                             keep, max_length, flex)
@@ -154,7 +181,7 @@ def _pack_static(input_ids, loss_masks, anchors, gamma, mask_token_id, window, s
                  flex=False):
     k = per_sequence
     lengths = torch.tensor([len(x) for x in input_ids])
-    bucket = length_bucket(max(int(lengths.max()), max_length or 0))
+    bucket = length_bucket(int(lengths.max()), max_length)
     offsets = torch.cumsum(lengths, 0) - lengths
     flat_ids = torch.cat(input_ids)
     n_seq = len(input_ids)

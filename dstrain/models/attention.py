@@ -219,7 +219,10 @@ _FLEX = {}
 
 
 def _flex_fn(device: torch.device):
-    """flex_attention compiled on CUDA (its fused kernels; eager flex is a dense reference), eager elsewhere."""
+    """flex_attention compiled on CUDA (its fused kernels; eager flex is a dense reference), eager elsewhere. Static
+    shapes: one kernel per shape, and the BlockMask's mask_mod closes over `rows` (an int dynamo guards on), so the
+    trainer's packing pads to a recipe's few length buckets (packing.length_buckets): past torch's recompile limit
+    (8) dynamo would run this eagerly, the dense kernel writing the whole score matrix."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":

@@ -101,14 +101,15 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
 
 
 def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int,
-                 slots: int | None = None, flex: bool = False) -> PackedBlocks:
+                 slots: int | None = None, flex: bool = False, max_length: int | None = None) -> PackedBlocks:
     """The static packing: exactly anchors_per_seq block slots per sequence (padding where a sequence has fewer
     candidates, keep False), so the step's shapes never depend on the draw (issue 23). `flex`: its attention as
-    flex_attention over a BlockMask (CUDA) instead of SDPA over BlockGroups."""
+    flex_attention over a BlockMask (CUDA) instead of SDPA over BlockGroups. `max_length`: the recipe's
+    data.max_length, whose few length buckets (packing.length_buckets) are the only lengths the batch is padded to."""
     drawn = [anchor_slots(s.loss_mask, anchors_per_seq, anchor_generator(seed, s.meta["id"], epoch)) for s in samples]
     return pack_blocks([s.input_ids for s in samples], [s.loss_mask for s in samples], [a for a, _ in drawn], gamma,
                        mask_token_id=0, window=window, slots=slots, per_sequence=anchors_per_seq,
-                       keep=[k for _, k in drawn], flex=flex)
+                       keep=[k for _, k in drawn], max_length=max_length, flex=flex)
 
 
 class DraftStep(torch.nn.Module):
@@ -138,7 +139,8 @@ def pack_step(recipe, samples: list[Sample], step: int, vocab: int | None = None
     d = recipe.drafter
     packed = pack_samples(samples, d.block_size, recipe.anchors.per_sequence, d.sliding_window, recipe.run.seed, step,
                           slots=d.block_size + (0 if d.sample_from_anchor else 1),
-                          flex=torch.device(device).type == "cuda" and d.sliding_window is None)
+                          flex=torch.device(device).type == "cuda" and d.sliding_window is None,
+                          max_length=recipe.data.max_length)
     return packed if vocab is None else plan_vocab_chunks(packed, vocab, device)
 
 
