@@ -40,6 +40,9 @@ class RunConfig(Section):
                                    " whose step/phase (or heartbeat) does not move for max(this, stall_factor x its slowest"
                                    " recent step) is named and the job exits (runtime/watchdog.py)")
     stall_factor: float = Field(10.0, gt=0.0, description="stall bound in units of the rank's slowest recent step time")
+    compile_timeout_s: float = Field(1200.0, gt=0.0, description="multi-rank runs: the stall bound while a rank compiles"
+                                     " the step before training (phase 'compile': each length bucket's shapes in turn,"
+                                     " train.compile), in place of the step-time bound")
     peak_tflops: float | None = Field(None, gt=0.0, description="the device's peak matmul TFLOP/s for train/mfu; default: a table"
                                       " of known GPUs (dense bf16), none on CPUs (train/tflops is logged either way)")
 
@@ -293,6 +296,14 @@ class Recipe(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
 
+    def drafter_has_moe(self) -> bool:
+        """The drafter's FFN routes experts: drafter.ffn.type=moe, or V4's draft layers (backbone v4, or auto on a
+        DeepSeek-V4 target named by target.hf_config)."""
+        d = self.drafter
+        v4 = d.backbone == "v4" or (d.backbone == "auto" and d.type == "dspark"
+                                    and (self.target.hf_config or {}).get("model_type") == "deepseek_v4")
+        return v4 or d.ffn.type == "moe"
+
     @model_validator(mode="after")
     def _check_cross(self) -> "Recipe":
         if self.loss.alpha_conf > 0 and not self.drafter.confidence:
@@ -319,6 +330,17 @@ class Recipe(Section):
         if self.train.compile == "step" and self.deepspeed.zero_stage == 3:
             raise ValueError("train.compile=step compiles the drafter module; ZeRO-3 gathers its weights with hooks the "
                              "compiled graph does not run: set train.compile=loss or deepspeed.zero_stage<=2")
+        if self.deepspeed.precision == "fp32" and self.drafter_has_moe():
+            # torch._grouped_mm: its compiled form (meta kernel) takes bf16 only; on CUDA fp32 runs a per-expert
+            # fallback that reads the offsets to the host at every MoE layer
+            if self.train.compile == "step":
+                raise ValueError("train.compile=step traces the MoE drafter's grouped GEMM (torch._grouped_mm), which "
+                                 "compiles for bf16 only: set deepspeed.precision=bf16, train.compile=loss or "
+                                 "drafter.ffn.type=dense")
+            if self.run.device == "cuda":
+                raise ValueError("run.device=cuda with deepspeed.precision=fp32 and an MoE drafter: torch._grouped_mm "
+                                 "has no fp32 CUDA kernel and its fallback reads every MoE layer's offsets to the host:"
+                                 " set deepspeed.precision=bf16 or drafter.ffn.type=dense")
         if self.drafter.backbone == "v4":  # `auto` is checked where the target is known (models/registry.py)
             model_type = (self.target.hf_config or {}).get("model_type")
             if model_type not in (None, "deepseek_v4"):

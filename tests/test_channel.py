@@ -211,3 +211,108 @@ def test_patches_follow_the_run_device_and_transformer_engine(monkeypatch):
     assert mcore_patches.apply_without_te() == [] and calls == ["cpu_only"]
     monkeypatch.setattr(importlib.util, "find_spec", te(False))
     assert mcore_patches.apply_without_te() == ["no_te"] and calls == ["cpu_only", "no_te"]
+
+
+@pytest.mark.distributed
+def test_drafter_meets_a_target_whose_load_outlasts_the_group_timeout():
+    """Every group times out after 3 s and the target rank loads for 7 s: it posts the resume receive before loading,
+    the drafter waits in phase "target-load" (a line says so), and the first micro-batch arrives."""
+    import os
+
+    from conftest import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "tests/dist/target_load.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("LOAD ")).split(" ", 1)[1])
+    assert got["waited"] > 5 and got["step"] == 4 and got["rows"] == [3, 1, 4] and got["consumed"] == 10, got
+    assert "dstrain: waiting for target rank(s) [1] to load" in proc.stdout, proc.stdout
+
+
+def test_target_load_wait_is_bounded_by_its_own_timeout(monkeypatch):
+    from dstrain.runtime import channel
+
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(channel, "_load_store", lambda: store)
+    lines = []
+    channel.announce_loaded(2, 1.0)
+    with pytest.raises(UserError, match=r"target rank\(s\) \[3\] did not finish loading .*DSTRAIN_TARGET_LOAD_TIMEOUT_S"):
+        channel.wait_for_targets([2, 3], say=lines.append, timeout_s=0.3, poll_s=0.05)
+    assert len(lines) == 1 and "waiting for target rank(s) [2, 3] to load" in lines[0]
+    channel.announce_loaded(3, 2.0)
+    channel.wait_for_targets([2, 3], timeout_s=0.3)
+
+
+def test_streamed_rows_copy_one_index_to_the_device():
+    """The rows a target sends are its outputs at the packing's rows; on a device (meta here) the only host-to-device
+    copy of a micro-batch is the one of their coordinates, not one per indexing."""
+    from dstrain.runtime.target_role import streamed_rows
+    from dstrain.train.step_counters import CrossDeviceCopies
+
+    lengths, T = [5, 2, 4], 5
+    captured, final = torch.randn(3, T, 2, 6), torch.randn(3, T, 6)
+    ctx, finals = torch.tensor([0, 3, 5, 6, 10]), torch.tensor([1, 4, 8])
+    flat = lambda b: torch.cat([b[i, :n] for i, n in enumerate(lengths)])  # noqa: E731  (the samples end to end)
+    rows, final_rows = streamed_rows(captured, final, lengths, ctx, finals)
+    assert torch.equal(rows, flat(captured)[ctx]) and torch.equal(final_rows, flat(final)[finals])
+    assert streamed_rows(None, final, lengths, ctx, finals)[0] is None
+    captured, final = captured.to("meta"), final.to("meta")
+    with CrossDeviceCopies() as copies:
+        rows, final_rows = streamed_rows(captured, final, lengths, ctx, finals)
+    assert rows.shape == (5, 2, 6) and final_rows.shape == (3, 6)
+    assert copies.count == 1 and [op for op, _ in copies.sites] == ["_to_copy"], copies.sites
+
+
+def test_received_layers_reorder_without_a_host_index():
+    from dstrain.runtime.channel import Receiver
+    from dstrain.train.step_counters import CrossDeviceCopies
+
+    parts = [torch.randn(4, 2, 3), torch.randn(4, 1, 3)]
+    assert torch.equal(Receiver(0, [(0, 2), (1, 1)], [2, 0, 1]).reorder(parts), torch.cat(parts, 1)[:, [2, 0, 1]])
+    rx = Receiver(0, [(0, 2), (1, 1)], [2, 0, 1], device="meta")
+    meta = [torch.empty(4, 2, 3, device="meta"), torch.empty(4, 1, 3, device="meta")]
+    with CrossDeviceCopies() as copies:
+        out = rx.reorder(meta)
+    assert out.shape == (4, 3, 3) and copies.count == 0, copies.sites
+
+
+def test_megatron_target_seeds_the_cuda_rng_tracker(monkeypatch):
+    """On CUDA megatron's attention forks the RNG tracker's "model-parallel-rng" state: without it every target forward
+    raises "cuda rng state model-parallel-rng is not added". The CUDA generator calls are faked on the CPU and the
+    target's construction stops right after the seeding."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from dstrain.targets import cpu_compat
+    from dstrain.targets.megatron import MegatronTarget
+
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
+    gen = {"seed": -1}  # the one fake CUDA generator: its state is the seed it was given
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: gen.update(seed=s))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([gen["seed"]]))
+    monkeypatch.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.tensor([gen["seed"]]))
+    monkeypatch.setattr(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: gen.update(seed=int(state[0])))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+    class Seeded(Exception):
+        pass
+
+    def stop(device):
+        assert torch.device(device).type == "cuda"
+        raise Seeded
+
+    monkeypatch.setattr(cpu_compat, "apply", stop)
+    tracker = mrandom.get_cuda_rng_tracker()
+    assert "model-parallel-rng" not in tracker.get_states()  # what megatron's fork raises on
+    rank = lambda r: SimpleNamespace(rank=lambda: r)  # noqa: E731
+    with pytest.raises(Seeded):
+        MegatronTarget(None, None, "t", SimpleNamespace(tp=rank(1), ep=rank(2), expt_tp=rank(0)), device="cuda:0", seed=5)
+    states = mrandom.get_cuda_rng_tracker().get_states()
+    assert {k: int(v[0]) for k, v in states.items()} == {"data-parallel-rng": 5, "model-parallel-rng": 5 + 2718 + 1,
+                                                         "expert-parallel-rng": 5 + 1024 + 200}
+    if "cpu_rng_fork" not in cpu_compat.APPLIED:  # megatron's own fork (not the CPU patch): it now finds the state
+        with mrandom.get_cuda_rng_tracker().fork():
+            assert gen["seed"] == 5 + 2718 + 1

@@ -59,8 +59,9 @@ def test_cuda_ranks_bind_their_local_gpu_and_share_only_when_disaggregated(monke
 
 
 def test_cli_refuses_cuda_without_a_gpu(tmp_path, no_gpu):
-    proc = run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={tmp_path}", "run.device=cuda", check=False)
-    assert proc.returncode == 2 and "run.device=cuda" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = run_tool("dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={tmp_path}", "run.device=cuda",
+                    "deepspeed.precision=bf16", check=False)  # fp32 MoE on CUDA is refused first (tests/test_recipe.py)
+    assert proc.returncode == 2 and "run.device=cuda but torch" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_deepspeed_accelerator_must_agree_with_the_device(monkeypatch):
@@ -117,3 +118,66 @@ def test_dry_run_names_the_channel_path():
     assert plan_channel_line(recipe()) is None  # colocated: no channel
     assert "NCCL device to device" in plan_channel_line(recipe(device="cuda", world=disagg))
     assert plan_channel_line(recipe(device="cpu", world=disagg)).startswith("channel: host-staged over gloo")
+
+
+def test_sharing_gpus_is_said_in_one_line(monkeypatch):
+    """More processes on a node than GPUs they see (a small machine on purpose, or one GPU per task: CUDA_VISIBLE_DEVICES
+    per process, Slurm's --gpus-per-task) turns the run to gloo and a host-staged channel: said in one line."""
+    from dstrain.runtime.world import process_backend, sharing_line
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    device = run_device(recipe(device="cuda", world={"mode": "disaggregated", "drafter_ranks": 1}), 3)
+    assert device == torch.device("cuda", 0) and process_backend(device) == "gloo"
+    line = sharing_line(device)
+    assert "4 processes on this node see 1 GPU(s)" in line and "gloo" in line and "not one GPU per task" in line
+    assert "\n" not in line and sharing_line(torch.device("cpu")) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert sharing_line(torch.device("cuda", 0)) is None  # each rank owns its GPU: nothing to say
+
+
+def test_deepspeed_engine_binds_the_run_device(monkeypatch, tmp_path):
+    """LOCAL_RANK 2 on a node with 2 GPUs shares cuda:0 (run_device); DeepSpeed's engine, unless told, binds
+    cuda:LOCAL_RANK ("invalid device ordinal"). GPUs faked; the Trainer's deepspeed.initialize call is captured and
+    run through the engine's own device choice."""
+    from types import SimpleNamespace
+
+    import deepspeed
+    from deepspeed.runtime import engine as ds_engine
+
+    from dstrain.recipe import load_recipe
+    from dstrain.targets.frozen import load_frozen_parts
+    from dstrain.train.trainer import Trainer
+    from conftest import ROOT
+
+    r = load_recipe(ROOT / "recipes/tiny_moe.yaml", [f"data.shards={tmp_path}", f"run.output_dir={tmp_path}",
+                                                     "world.mode=disaggregated", "world.drafter_ranks=1"])
+    frozen = load_frozen_parts(r.target, r.run.seed)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    device = run_device(r, 2)
+    assert device == torch.device("cuda", 0)
+    seen = {}
+
+    class Captured(Exception):
+        pass
+
+    def initialize(**kw):
+        seen.update(kw)
+        raise Captured
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    world = SimpleNamespace(drafter_group=None, drafter_host_group=None, device=device, num_drafters=1, is_main=True, mpu=None)
+    with pytest.raises(Captured):
+        Trainer(r, frozen, None, tmp_path / "run", world, verified_tag=None)
+    bound = []
+    accel = SimpleNamespace(set_device=bound.append, device_name=lambda i: f"cuda:{i}")
+    monkeypatch.setattr(ds_engine, "get_accelerator", lambda: accel)
+    monkeypatch.setattr(ds_engine.dist, "get_world_size", lambda *a, **k: 1)
+    monkeypatch.setattr(ds_engine.dist, "get_rank", lambda *a, **k: 0)
+    eng = SimpleNamespace(local_rank=2)
+    ds_engine.DeepSpeedEngine._set_distributed_vars(eng, seen.get("args"))
+    assert eng.device == torch.device("cuda", 0) and bound == [0]

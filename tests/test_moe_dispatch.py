@@ -305,3 +305,30 @@ def test_v4_moe_padding_blocks_move_no_load():
     torch.testing.assert_close(out[keep], ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(real, v4.last_load)
     assert counts.sum() == keep.sum() * 3 * dims.topk and torch.equal(counts, v4.take_load())
+
+
+def test_step_counts_live_on_the_module_device():
+    """A step's expert counts are a buffer: they move with the MoE (meta stands in for a GPU here), so a training
+    forward copies nothing from the host; int64, so a bf16 module keeps them exact, and no checkpoint holds them."""
+    from dstrain.train.step_counters import CrossDeviceCopies
+
+    torch.manual_seed(0)
+    for moe in (MoE(16, 24, 4, 2, shared=True, balance="aux_loss"), v4_moe(4, 2)):
+        moe.to("meta", torch.bfloat16).train()
+        x = torch.empty(3, 5, 16, device="meta", dtype=torch.bfloat16)
+        with CrossDeviceCopies() as copies:
+            moe(x)
+            moe(x)
+        assert copies.count == 0, (type(moe).__name__, copies.sites)
+        assert moe.step_counts.device.type == "meta" and moe.step_counts.dtype == torch.int64
+        assert "step_counts" not in moe.state_dict()
+
+
+def test_fp32_grouped_gemm_compiles_for_bf16_only():
+    """Why the recipe refuses train.compile=step with an fp32 MoE drafter (tests/test_recipe.py): the compiled form of
+    torch._grouped_mm (its meta kernel) takes bf16 only. When torch lifts that, this fails: relax the refusal."""
+    offs = torch.tensor([4, 8], dtype=torch.int32, device="meta")
+    assert torch._grouped_mm(torch.empty(8, 16, device="meta", dtype=torch.bfloat16),
+                             torch.empty(2, 16, 8, device="meta", dtype=torch.bfloat16), offs=offs).shape == (8, 8)
+    with pytest.raises(RuntimeError, match="BF16"):
+        torch._grouped_mm(torch.empty(8, 16, device="meta"), torch.empty(2, 16, 8, device="meta"), offs=offs)

@@ -87,6 +87,8 @@ def test_overrides_are_type_checked(tmp_path):
     (["deepspeed.precision=fp16"], "deepspeed.precision"),
     (["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
     (["train.compile=step", "deepspeed.zero_stage=3", "eval.every=0"], "train.compile=step compiles the drafter module"),
+    (["train.compile=step"], "train.compile=step traces the MoE drafter's grouped GEMM .* deepspeed.precision=bf16"),
+    (["run.device=cuda"], "run.device=cuda with deepspeed.precision=fp32 and an MoE drafter"),
     (["train.compile=yes"], "train.compile"),
 ])
 def test_impossible_combinations_rejected(overrides, needle):

@@ -152,3 +152,20 @@ def test_state_dict_speaks_v4_release_names():
     twin = V4DraftLayer(ours.dims, ours.rope)
     twin.load_state_dict(state, strict=True)
     assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), state.values()))
+
+
+def test_rope_tables_move_with_the_module_and_stay_fp32():
+    """A V4 draft layer's (and the V4 target's) RoPE frequencies are a buffer of the module: on a device (meta here)
+    a call copies nothing from the host, a bf16 module keeps them exact, and no checkpoint holds them."""
+    from dstrain.blocks.v4 import Rope
+    from dstrain.train.step_counters import CrossDeviceCopies
+
+    rope = Rope.default(16, 10000.0)
+    want = rope.inv_freq.clone()
+    layer = V4DraftLayer(V4DraftDims.from_config(DeepseekV4Config(**CFG)), rope).bfloat16()
+    assert layer.rope.inv_freq.dtype == torch.float32 and torch.equal(layer.rope.inv_freq, want)
+    assert not any("inv_freq" in k for k in layer.state_dict())
+    layer.to("meta")
+    with CrossDeviceCopies() as copies:
+        cos, sin = layer.rope(torch.arange(6, device="meta"), torch.bfloat16)
+    assert cos.shape == (6, 8) and cos.device.type == "meta" and copies.count == 0, copies.sites

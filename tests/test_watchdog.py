@@ -54,3 +54,24 @@ def test_a_frozen_rank_is_held_to_the_floor_not_to_its_start_up_allowance(monkey
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_compile_phase_is_held_to_the_compile_bound_not_to_step_times():
+    """A rank compiling the step (the trainer's warm-up, one length bucket at a time) publishes run.compile_timeout_s
+    as its bound, before its first step and after fast ones alike; its other phases keep the step-time bound."""
+    progress = watchdog.Progress(60.0, 10.0, 20.0, 1200.0)
+    progress.set(0, "data")
+    assert progress.snapshot()["bound"] == 60.0  # start-up: max(floor, allowance)
+    progress.set(0, watchdog.COMPILE)
+    assert progress.bound() == 1200.0 and progress.snapshot()["bound"] == 1200.0
+    progress.set(0, "train")
+    assert progress.bound() == 60.0
+    progress.step_times.extend([0.5, 8.0])  # after steps: max(floor, 10 x the slowest)
+    progress.set(7, "train")
+    assert progress.bound() == 80.0
+    progress.set(7, watchdog.COMPILE)
+    assert progress.bound() == 1200.0
+    assert watchdog.Progress(5.0, 10.0, 20.0, 1200.0).bound() == 20.0  # "init" (loading): the start-up allowance
+    tiny = watchdog.Progress(60.0, 10.0, 20.0, 5.0)
+    tiny.set(0, watchdog.COMPILE)
+    assert tiny.bound() == 60.0  # never under the floor

@@ -36,14 +36,23 @@ class RMSNorm(nn.Module):
         return (self.weight * h).to(x.dtype)
 
 
-class Rope:
-    """V4's interleaved RoPE on the trailing `2 × len(inv_freq)` channels of a head."""
+class Rope(nn.Module):
+    """V4's interleaved RoPE on the trailing `2 × len(inv_freq)` channels of a head.
+
+    inv_freq is a non-persistent buffer: it moves with the module holding it, so a call copies nothing from the host.
+    It is stored as its fp32 bits (int32), which a module-wide .to(bfloat16) (DeepSpeed's bf16 engine) leaves exact."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float):
-        self.inv_freq, self.scaling = inv_freq, scaling
+        super().__init__()
+        self.scaling = scaling
+        self.register_buffer("inv_freq_bits", inv_freq.to(torch.float32).contiguous().view(torch.int32), persistent=False)
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.inv_freq_bits.view(torch.float32)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
         return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
 
     @classmethod

@@ -80,6 +80,12 @@ def real_token_load(picks: torch.Tensor, counts: torch.Tensor, block_keep: torch
     return real, real / (w.sum() * picks.shape[1]).clamp(min=1), w
 
 
+def step_counter(num_experts: int) -> torch.Tensor:
+    """A step's routed slots per expert, kept as a (non-persistent) buffer so it lives on the module's device from
+    the start; int64, so a module-wide .to(bfloat16) cannot round the counts (they are whole numbers)."""
+    return torch.zeros(num_experts, dtype=torch.int64)
+
+
 @contextmanager
 def real_blocks(moe_layers: list, keep: torch.Tensor | None):
     """While a training forward runs, the MoE layers know which blocks are real (PackedBlocks.keep)."""
@@ -123,7 +129,7 @@ class MoE(nn.Module):
         self.block_keep: torch.Tensor | None = None  # set by real_blocks() during a training forward
         # slots routed per expert by every training forward since take_load(): a step's load over all its
         # micro-batches (and, for the autoregressive drafters, all unrolled positions), not only the last forward's
-        self.step_counts = torch.zeros(num_experts)
+        self.register_buffer("step_counts", step_counter(num_experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -142,7 +148,7 @@ class MoE(nn.Module):
         counts, load, w = real_token_load(top, counts, self.block_keep, self.num_experts)
         self.last_load = load.detach()
         if self.training:
-            self.step_counts = self.step_counts.to(counts.device) + counts
+            self.step_counts.add_(counts.to(torch.int64))  # in place: a buffer mutation, which torch.compile keeps
         mean_probs = probs.mean(0) if w is None else (probs * w[:, None]).sum(0) / w.sum().clamp(min=1)
         aux = self.num_experts * (load.detach() * mean_probs).sum() if self.balance == "aux_loss" else probs.new_zeros(())
         return out.reshape(shape), aux
@@ -157,9 +163,9 @@ class MoE(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
 
     def take_load(self) -> torch.Tensor:
-        """Counts routed per expert since the last call (the step's), and start counting afresh."""
+        """Counts routed per expert since the last call (the step's, fp32), and start counting afresh."""
         counts, self.step_counts = self.step_counts, torch.zeros_like(self.step_counts)
-        return counts
+        return counts.float()
 
     @torch.no_grad()
     def update_route_bias(self, load: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 
 from dstrain.blocks.mhc import HyperConnection, unweighted_rms
 from dstrain.blocks.v4 import RMSNorm, Rope, clamped_swiglu, grouped_linear, rotate, route, softmax_with_sinks, unrotate
-from dstrain.models.layers import grouped_dispatch, real_token_load
+from dstrain.models.layers import grouped_dispatch, real_token_load, step_counter
 
 HC_NAMES = {f"{site}_hc.{p}": f"hc_{site}_{p}" for site in ("attn", "ffn") for p in ("fn", "base", "scale")}
 
@@ -60,6 +60,7 @@ class V4DraftDims:
     hc_iters: int
     hc_eps: float
     eps: float
+    shared: int = 1  # n_shared_experts: the engines build one shared MLP of moe_inter * shared
 
     @classmethod
     def from_config(cls, cfg) -> V4DraftDims:
@@ -69,7 +70,7 @@ class V4DraftDims:
                    experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size,
                    routed_scale=float(cfg.routed_scaling_factor), scoring=cfg.scoring_func,
                    swiglu_limit=float(cfg.swiglu_limit), hc_mult=cfg.hc_mult, hc_iters=cfg.hc_sinkhorn_iters,
-                   hc_eps=cfg.hc_eps, eps=cfg.rms_norm_eps)
+                   hc_eps=cfg.hc_eps, eps=cfg.rms_norm_eps, shared=int(getattr(cfg, "n_shared_experts", 1) or 0))
 
 
 def draft_mask(anchors: torch.Tensor, context_positions: torch.Tensor, gamma: int, window: int,
@@ -214,14 +215,20 @@ class V4DraftMoE(nn.Module):
                             f"moe_intermediate_size ({dims.moe_inter}) to be multiples of 8 (its MoE runs grouped GEMMs)")
         self.gate = V4Gate(dims.hidden, dims.experts)
         self.experts = V4RoutedExperts(dims.experts, dims.hidden, dims.moe_inter, dims.swiglu_limit)
-        self.shared_experts = V4Expert(dims.hidden, dims.moe_inter, dims.swiglu_limit)
+        if dims.shared < 1:
+            from dstrain.errors import UserError
+
+            raise UserError(f"n_shared_experts={dims.shared}: a DeepSeek-V4 draft layer has a shared expert (the engines' "
+                            "layout); the target's config must say n_shared_experts >= 1")
+        # vLLM and SGLang fuse the shared experts into one MLP of moe_intermediate_size * n_shared_experts
+        self.shared_experts = V4Expert(dims.hidden, dims.moe_inter * dims.shared, dims.swiglu_limit)
         self.last_load = torch.zeros(dims.experts)
-        self.step_counts = torch.zeros(dims.experts)  # every training forward's since take_load(): a step's load
+        self.register_buffer("step_counts", step_counter(dims.experts), persistent=False)  # since take_load()
         self.block_keep: torch.Tensor | None = None  # set by layers.real_blocks() during a training forward
 
     def take_load(self) -> torch.Tensor:
         counts, self.step_counts = self.step_counts, torch.zeros_like(self.step_counts)
-        return counts
+        return counts.float()
 
     @torch.no_grad()
     def update_route_bias(self, load: torch.Tensor) -> None:
@@ -237,7 +244,7 @@ class V4DraftMoE(nn.Module):
         out, counts = grouped_dispatch(flat, picks, weights.to(flat.dtype), self.experts.num_experts, self.experts)
         counts, self.last_load, _ = real_token_load(picks, counts, self.block_keep, self.experts.num_experts)  # fp32
         if self.training:
-            self.step_counts = self.step_counts.to(counts.device) + counts
+            self.step_counts.add_(counts.to(torch.int64))  # in place: a buffer mutation, which torch.compile keeps
         return (out + self.shared_experts(flat)).view_as(x)
 
 

@@ -25,6 +25,7 @@ event) instead: the target blocks on the drafter taking its data, never on its o
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -173,6 +174,8 @@ class Receiver:
         self.row_sources = row_sources  # (global rank, number of captured layers it sends), in stage order
         self.capture_order = capture_order  # permutation: stage order → recipe's capture order
         self.path, self.device, self.host_group = path, torch.device(device), host_group
+        # built once on the rows' device: a Python list as an index is a host tensor copied over at every micro-batch
+        self._order = torch.tensor(capture_order, dtype=torch.long, device=self.device)
         self.traffic = Traffic()
         self._next_header: tuple[torch.Tensor, object] | None = None
 
@@ -209,6 +212,10 @@ class Receiver:
         self.traffic.received += _nbytes(t)
         return t.to(self.device, non_blocking=True)  # pinned: an async copy, ordered before the step that reads it
 
+    def reorder(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The stages' captured rows [R, m_s, d] -> [R, m, d] in the recipe's capture order."""
+        return torch.cat(parts, 1).index_select(1, self._order)
+
     def receive(self, more: bool = True) -> Received:
         """One micro-batch; `more`: another follows (post its header's receive now)."""
         h = self._header().tolist()
@@ -221,7 +228,7 @@ class Receiver:
         names = bytes(self._recv(self.lead, (id_bytes,), torch.uint8).tolist()).decode().split("\n")
         finals = self._recv_payload(self.lead, (n_final, d), dtype)
         parts = [self._recv_payload(src, (n_ctx, m, d), dtype) for src, m in self.row_sources]
-        captured = torch.cat(parts, 1)[:, self.capture_order]
+        captured = self.reorder(parts)
         if more:
             self.prefetch()
         samples, start = [], 0
@@ -230,6 +237,46 @@ class Receiver:
                                   meta={"id": names[i]}))
             start += length
         return Received(samples, captured, finals, {"epoch": epoch, "consumed": consumed, "start": dealt_from, "world": world}, step)
+
+
+LOAD_TIMEOUT_ENV = "DSTRAIN_TARGET_LOAD_TIMEOUT_S"
+LOAD_TIMEOUT_S = 7200.0  # a sharded 1T-parameter checkpoint read from a network file system takes its time
+
+
+def _load_store():
+    """Keys under the rendezvous store, one namespace per launcher restart (as the watchdog's)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore(f"dstrain-target-load/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+                            _get_default_store())
+
+
+def announce_loaded(rank: int, seconds: float) -> None:
+    """A target rank holds its shard: the drafters it feeds stop waiting (wait_for_targets)."""
+    _load_store().set(str(rank), f"{seconds:.1f}")
+
+
+def wait_for_targets(ranks: list[int], say=None, timeout_s: float | None = None, poll_s: float = 1.0,
+                     every_s: float = 60.0) -> None:
+    """A drafter waits here (phase "target-load") until every target rank in `ranks` has loaded, bounded by
+    DSTRAIN_TARGET_LOAD_TIMEOUT_S (default 7200 s), not by the process groups' timeout: otherwise its first receive
+    would be held to that one while a large target loads. `say`: where a line of progress goes every `every_s`."""
+    from dstrain.errors import UserError
+
+    bound = float(os.environ.get(LOAD_TIMEOUT_ENV, LOAD_TIMEOUT_S)) if timeout_s is None else timeout_s
+    store, keys, t0 = _load_store(), [str(r) for r in ranks], time.monotonic()
+    told = None
+    while not store.check(keys):
+        waited = time.monotonic() - t0
+        if waited > bound:
+            late = [r for r in ranks if not store.check([str(r)])]
+            raise UserError(f"target rank(s) {late} did not finish loading in {bound:.0f} s: see their log, or allow"
+                            f" more with {LOAD_TIMEOUT_ENV}")
+        if say is not None and (told is None or waited - told >= every_s):
+            say(f"dstrain: waiting for target rank(s) {ranks} to load ({waited:.0f} s of at most {bound:.0f} s,"
+                f" {LOAD_TIMEOUT_ENV})")
+            told = waited
+        time.sleep(poll_s)
 
 
 def send_resume(dsts: list[int], step: int, loader_state: dict | None, group=None) -> None:
@@ -241,9 +288,29 @@ def send_resume(dsts: list[int], step: int, loader_state: dict | None, group=Non
         dist.send(msg, dst, group=group)
 
 
+class PendingResume:
+    """A resume message's receive, posted now (`post_resume`), read by `wait()`."""
+
+    def __init__(self, src: int, group=None):
+        self.src, self.msg = src, torch.empty(RESUME_WORDS, dtype=torch.long)
+        self.work = dist.irecv(self.msg, src, group=group)
+
+    def wait(self) -> tuple[int, dict | None]:
+        self.work.wait()
+        return _resume_of(self.msg)
+
+
+def post_resume(src: int, group=None) -> PendingResume:
+    """Post the receive of `src`'s resume message: a target does this before it loads, so the drafters' blocking
+    send_resume completes at once however long the load takes."""
+    return PendingResume(src, group)
+
+
 def recv_resume(src: int, group=None) -> tuple[int, dict | None]:
-    msg = torch.empty(RESUME_WORDS, dtype=torch.long)
-    dist.recv(msg, src, group=group)
+    return post_resume(src, group).wait()
+
+
+def _resume_of(msg: torch.Tensor) -> tuple[int, dict | None]:
     step, has, epoch, consumed, start, world = msg.tolist()
     state = {"epoch": epoch, "consumed": consumed, "start": start}
     if world:  # 0: a checkpoint from before the world was recorded, taken to be this world's

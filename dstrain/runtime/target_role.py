@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from dstrain.runtime import preemption
-from dstrain.runtime.channel import Sender, needed_rows, recv_resume
+from dstrain.runtime.channel import Sender, announce_loaded, needed_rows, post_resume
 from dstrain.runtime.watchdog import progress
 from dstrain.train.step import pack_step, padded_batch
 
@@ -32,22 +32,51 @@ def load_role_target(recipe, world):
     return colocated_target(recipe, world.device)
 
 
-def _flat(batch: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    return torch.cat([batch[i, :n] for i, n in enumerate(lengths)])
+def row_coords(lengths: list[int], rows: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """For each index tensor in `rows` (rows of the samples laid end to end, as the packing numbers them) its
+    (sample, position) pairs [2, n] in the right-padded batch, on `device`: built on the host and moved in one
+    copy (asynchronous, from pinned memory, on CUDA), so indexing a device output copies no host index."""
+    sample = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
+    position = torch.cat([torch.arange(n) for n in lengths])
+    both = torch.cat([torch.stack([sample[r], position[r]]) for r in rows], 1)
+    if device.type == "cuda":
+        both = both.pin_memory()
+    return list(both.to(device, non_blocking=True).split([len(r) for r in rows], 1))
+
+
+def streamed_rows(captured: torch.Tensor | None, final: torch.Tensor | None, lengths: list[int], ctx: torch.Tensor,
+                  finals: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """captured [B, T, m, d] at the context rows `ctx`, final [B, T, d] at the final rows `finals` (None where this
+    rank holds none): what a drafter reads of this micro-batch."""
+    ctx_at, final_at = row_coords(lengths, [ctx, finals], (final if final is not None else captured).device)
+    return (None if captured is None else captured[ctx_at[0], ctx_at[1]],
+            None if final is None else final[final_at[0], final_at[1]])
+
+
+def accept_and_load(rank: int, drafters: list[int], host_group, load):
+    """Post the receive of every served drafter's resume message, then `load()` the target: a drafter's blocking
+    send_resume completes at once, and it waits for the load in its own bounded phase (channel.wait_for_targets),
+    not in a receive held to the process group's timeout. Returns (the target, each drafter's (step, state))."""
+    progress(-1, "target-load")
+    pending = [post_resume(src, group=host_group) for src in drafters]
+    t0 = time.perf_counter()
+    target = load()
+    announce_loaded(rank, time.perf_counter() - t0)
+    progress(-1, "resume")
+    return target, [p.wait() for p in pending]
 
 
 def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
     lay = world.layout
     tp_rank, replica, stage = lay.coords(world.rank)
-    target = load_role_target(recipe, world)
+    served = lay.drafters_of_replica(replica)
+    target, resumes = accept_and_load(world.rank, [lay.drafter_rank(j) for j in served], world.host_group,
+                                      lambda: load_role_target(recipe, world))
     local_layers = getattr(target, "local_layers", target.capture_layers)
     is_lead, sends_rows = tp_rank == 0 and stage == lay.pp - 1, tp_rank == 0 and bool(local_layers)
-    served = lay.drafters_of_replica(replica)
     loaders = {j: make_loader(j, lay.drafters) for j in served}
     start = None
-    progress(-1, "resume")
-    for j in served:  # every drafter of this replica says where the run stands
-        step, state = recv_resume(lay.drafter_rank(j), group=world.host_group)
+    for j, (step, state) in zip(served, resumes):  # every drafter of this replica says where the run stands
         if state is not None:
             loaders[j].load_state_dict({**loaders[j].state_dict(), **state})
         start = step if start is None else start
@@ -72,12 +101,16 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
                     final = out.final_hidden if out is not None else target.final_hidden
                     dst = lay.drafter_rank(j)
                     progress(step, "send")  # back-pressure: waits while the drafter has not taken the oldest
+                    if not (is_lead or sends_rows):
+                        continue
+                    rows, final_rows = streamed_rows(captured if sends_rows else None, final if is_lead else None,
+                                                     lengths, ctx, finals)
                     if is_lead:
                         sent_ids += [s.meta["id"] for s in samples]
-                        sender.send_lead(dst, step, mb, samples, _flat(final, lengths)[finals], len(ctx),
-                                         len(target.capture_layers), loaders[j].state_dict())
+                        sender.send_lead(dst, step, mb, samples, final_rows, len(ctx), len(target.capture_layers),
+                                         loaders[j].state_dict())
                     if sends_rows:
-                        sender.send_rows(dst, _flat(captured, lengths)[ctx])
+                        sender.send_rows(dst, rows)
             log.write(json.dumps({"step": step + 1, "bytes_sent": sender.traffic.sent - sent0,
                                   "seconds": round(time.perf_counter() - t0, 4), **({"samples": sent_ids} if is_lead else {})}) + "\n")
             log.flush()

@@ -11,7 +11,9 @@ blocked in. A lost store (the launcher holding it is gone) ends the rank the sam
 
 The stall bound comes from the run's own step times: `max(run.stall_timeout_s, run.stall_factor × the
 slowest of the rank's last steps)`; before a rank finishes its first step (loading weights, DeepSpeed
-setup) it is `DSTRAIN_HEARTBEAT_TIMEOUT_S` (20 s) or the floor, whichever is larger.
+setup) it is `DSTRAIN_HEARTBEAT_TIMEOUT_S` (20 s) or the floor, whichever is larger. In phase `compile` (the
+trainer's warm-up, train/compiling.py: every shape of the step compiled before the first step, a length bucket
+at a time) it is `run.compile_timeout_s` per bucket, whatever the step times: a cold compile is not a slow step.
 
 Two ways a rank stops making progress, told apart:
 - **silent** — its heartbeat stops (SIGSTOP, killed, the whole process frozen). Where the watcher shares
@@ -51,6 +53,7 @@ WATCHED = 4  # ring neighbours each rank watches
 DEAD_AFTER_S = 3.0
 STUCK_MARGIN_S = 3.0  # a stuck-but-alive verdict waits this much longer than a silent one  # a same-host peer whose process is gone and whose heartbeat stopped this long has died
 WAITING = frozenset({"recv", "send", "barrier", "resume", "done"})  # phases that wait on other ranks
+COMPILE = "compile"  # held to its own bound (Progress.compile_bound), not to the step times
 _STATE: dict = {}
 
 
@@ -88,8 +91,8 @@ def process_state(pid: int) -> str:
 class Progress:
     """What the main thread is doing, read by the watcher thread (plain attribute writes: no lock needed)."""
 
-    def __init__(self, floor: float, factor: float, warmup: float):
-        self.floor, self.factor, self.warmup = floor, factor, warmup
+    def __init__(self, floor: float, factor: float, warmup: float, compile_bound: float = 1200.0):
+        self.floor, self.factor, self.warmup, self.compile_bound = floor, factor, warmup, compile_bound
         self.step, self.phase, self.since = -1, "init", time.monotonic()
         self.step_times: deque[float] = deque(maxlen=20)
         self._step_start: float | None = None
@@ -107,6 +110,8 @@ class Progress:
         self.step, self.phase, self.since = step, phase, now
 
     def bound(self) -> float:
+        if self.phase == COMPILE:
+            return max(self.floor, self.compile_bound)
         if not self.step_times:
             return max(self.floor, self.warmup)
         return max(self.floor, self.factor * max(self.step_times))
@@ -116,14 +121,15 @@ class Progress:
                 "bound": round(self.bound(), 2)}
 
 
-def start_watchdog(world, run_dir=None, stall_floor_s: float = 30.0, stall_factor: float = 10.0) -> None:
+def start_watchdog(world, run_dir=None, stall_floor_s: float = 30.0, stall_factor: float = 10.0,
+                   compile_s: float = 1200.0) -> None:
     if world.world_size == 1 or _STATE:
         return
     warmup = float(os.environ.get("DSTRAIN_HEARTBEAT_TIMEOUT_S", "20"))
     store = _store()
     store.set_timeout(timedelta(seconds=10))
     describe = world.layout.describe if world.layout else (lambda r: f"rank {r}")
-    progress = Progress(stall_floor_s, stall_factor, warmup)
+    progress = Progress(stall_floor_s, stall_factor, warmup, compile_s)
     _STATE.update(store=store, rank=world.rank, describe=describe, progress=progress, host=_host_id(),
                   timeout=max(stall_floor_s, warmup), serves_target=world.role == "target")
     store.set(f"host/{world.rank}", json.dumps({"host": _STATE["host"], "pid": os.getpid()}))
@@ -227,6 +233,10 @@ def mark_done() -> None:
             pass
 
 
+def _basis(p: dict) -> str:
+    return "for compiling (run.compile_timeout_s)" if p["phase"] == COMPILE else "from its step times"
+
+
 def _where(p: dict | None) -> str:
     if not p:
         return "before its first heartbeat"
@@ -302,7 +312,7 @@ def _watch(rank: int, size: int, describe) -> None:
                     if (p and p["step"] >= 0 and p["phase"] not in WAITING and p["stalled"] > p["bound"] + STUCK_MARGIN_S
                             and now - me.since > p["bound"]):
                         stuck.append(f"{describe(r)} is stuck: alive (heartbeat continues) but no progress for "
-                                     f"{p['stalled']:.0f} s (bound {p['bound']:.0f} s from its step times), {_where(p)}")
+                                     f"{p['stalled']:.0f} s (bound {p['bound']:.0f} s {_basis(p)}), {_where(p)}")
                     continue
                 silent_for = now - seen[r][1]
                 silent_any = max(silent_any, silent_for)

@@ -225,13 +225,26 @@ def run_device(recipe, local_rank: int = 0) -> torch.device:
         if recipe.world.mode == "disaggregated" and shares_gpus(count):
             return torch.device("cuda", local_rank % count)
         raise UserError(f"local rank {local_rank} has no GPU: this node shows {count} CUDA device(s);"
-                        " launch at most that many processes per node, or set run.device=cpu")
+                        " launch at most that many processes per node (each seeing every GPU of the node, not one"
+                        " per task), or set run.device=cpu")
     return torch.device("cuda", local_rank)
 
 
 def shares_gpus(gpus_on_node: int) -> bool:
     """More processes on this node than GPUs (only a disaggregated run on a small machine does this on purpose)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus_on_node
+
+
+def sharing_line(device: torch.device) -> str | None:
+    """The one line a node's first process prints when its ranks share GPUs (None when each rank owns one): the run
+    then goes on gloo with a host-staged channel, which one GPU visible per process (CUDA_VISIBLE_DEVICES set per
+    task, Slurm's --gpus-per-task) also produces, though each rank there does own its GPU."""
+    if device.type != "cuda" or not shares_gpus(count := torch.cuda.device_count()):
+        return None
+    procs = os.environ.get("LOCAL_WORLD_SIZE")
+    return (f"dstrain: {procs} processes on this node see {count} GPU(s) each: ranks share them round-robin "
+            f"(cuda:LOCAL_RANK mod {count}), so every group runs on gloo and the channel is staged through host memory;"
+            " for NCCL run one process per GPU with all of the node's GPUs visible to each (not one GPU per task)")
 
 
 def process_backend(device: torch.device) -> str:
@@ -308,6 +321,8 @@ def init_world(recipe) -> World:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     world = World(rank, size, local, layout, device=device, backend=backend)
+    if local == 0 and (line := sharing_line(device)):
+        print(line, flush=True)
     if not layout.disaggregated:
         world.drafter_group = dist.group.WORLD
         world.drafter_host_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")

@@ -34,7 +34,8 @@ class _StopAtFinalNorm(Exception):
 
 class MegatronTarget:
     def __init__(self, cfg, reader, name: str, groups, capture_layers: list[int] | None = None, num_capture: int = 3,
-                 dtype: str = "float32", device: torch.device | str = "cpu", pipeline_layers: list[int] | None = None):
+                 dtype: str = "float32", device: torch.device | str = "cpu", pipeline_layers: list[int] | None = None,
+                 seed: int = 0):
         """Build this rank's GPTModel for transformers config `cfg` on `device` and fill it from `reader` (a
         CheckpointReader over the checkpoint folder) with exactly the slices its shard plan names."""
         from megatron.core import parallel_state
@@ -49,6 +50,7 @@ class MegatronTarget:
         self.device = torch.device(device)
         if self.device.type == "cuda":  # megatron allocates parameters and p2p buffers on torch.cuda.current_device()
             torch.cuda.set_device(self.device)
+        seed_rng_tracker(self.device, groups, seed)
         cpu_compat.apply(self.device)  # on the CPU, current_device() answers "cpu": p2p buffers follow the model
         mcore_patches.apply_without_te()
         adapter = adapter_for(cfg)
@@ -149,6 +151,19 @@ class MegatronTarget:
         return h[:T].transpose(0, 1)
 
 
+def seed_rng_tracker(device: torch.device, groups, seed: int) -> None:
+    """On CUDA, megatron's attention, transformer block and (sequence parallel) embedding fork the CUDA RNG tracker's
+    "model-parallel-rng" state, which only model_parallel_cuda_manual_seed adds ("cuda rng state model-parallel-rng is
+    not added" otherwise); seeded from this rank's own groups (no megatron global parallel state here). On the CPU
+    cpu_compat's fork needs no state."""
+    if device.type != "cuda":
+        return
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed, tp_rank=groups.tp.rank(), ep_rank=groups.ep.rank(),
+                                    etp_rank=groups.expt_tp.rank())
+
+
 def load_megatron_target(target_cfg, groups, seed: int, device: torch.device | str = "cpu",
                          pipeline_layers: list[int] | None = None):
     """Build this target rank's shard of the recipe's target, reading only its own slices of the checkpoint."""
@@ -161,6 +176,6 @@ def load_megatron_target(target_cfg, groups, seed: int, device: torch.device | s
     torch.manual_seed(seed)  # megatron's CPU init may draw from the global RNG before our weights overwrite it
     with CheckpointReader(folder, DTYPES[target_cfg.dtype]) as reader:
         target = MegatronTarget(cfg, reader, target_cfg.name, groups, target_cfg.capture_layers, target_cfg.num_capture,
-                                target_cfg.dtype, device, pipeline_layers)
+                                target_cfg.dtype, device, pipeline_layers, seed)
     dist.barrier(group=groups.mp)
     return target

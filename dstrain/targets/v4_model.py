@@ -114,7 +114,8 @@ class V4Model(MegatronModule):
     def __init__(self, config, layer_specs: list[ModuleSpec], dims: V4Dims, rope: dict[str, Rope], coords,
                  pg_collection):
         super().__init__(config)
-        self.dims, self.rope, self.pre_process, self.post_process = dims, rope, coords.first, coords.last
+        self.dims, self.pre_process, self.post_process = dims, coords.first, coords.last
+        self.rope = nn.ModuleDict(rope)  # registered: the tables move with the model (built on the CPU, then .to(device))
         self.stage_width = dims.hc_mult * dims.hidden
         self.tp_group = pg_collection.tp
         self.sequence_parallel = config.sequence_parallel and self.tp_group.size() > 1

@@ -68,3 +68,11 @@ def skip_shm_comm_op() -> None:
 
     # (not `import deepspeed.comm.torch as m`: deepspeed.comm's own `torch` attribute is torch itself)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def engine_args(device):
+    """deepspeed.initialize's `args`: its engine binds cuda:LOCAL_RANK unless args.device_rank names the GPU, and
+    run_device may bind another (ranks sharing a node's GPUs round-robin); None off CUDA (the CPU has no ordinal)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(device_rank=device.index) if device.type == "cuda" and device.index is not None else None

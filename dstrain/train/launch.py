@@ -43,7 +43,7 @@ def _train(recipe, run_dir: Path) -> int:
         from dstrain.train.ds_glue import skip_shm_comm_op
 
         skip_shm_comm_op()
-    start_watchdog(world, run_dir, recipe.run.stall_timeout_s, recipe.run.stall_factor)
+    start_watchdog(world, run_dir, recipe.run.stall_timeout_s, recipe.run.stall_factor, recipe.run.compile_timeout_s)
     if world.role == "target":
         from dstrain.runtime.target_role import serve_target
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dstrain.runtime.channel import Receiver, compact, needed_rows, send_resume
+from dstrain.runtime.channel import Receiver, compact, needed_rows, send_resume, wait_for_targets
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks
 from dstrain.train.step import TargetFeatures, pack_step, target_features
@@ -82,8 +82,15 @@ class ChannelSource:
         self.loader_state: dict | None = None
 
     def start(self, step: int) -> None:
-        """Tell every rank of the feeding replica where to start (its loaders live there)."""
-        send_resume(self.resume_to, step, self.loader_state, group=self.receiver.host_group)
+        """Tell every rank of the feeding replica where to start (its loaders live there), then wait for them to
+        load (a phase of its own at step -1: the watchdog times no step while a target loads)."""
+        import torch.distributed as dist
+
+        from dstrain.runtime.watchdog import progress
+
+        send_resume(self.resume_to, step, self.loader_state, group=self.receiver.host_group)  # received before loading
+        progress(-1, "target-load")
+        wait_for_targets(self.resume_to, say=(lambda line: print(line, flush=True)) if dist.get_rank() == 0 else None)
         if step < self.recipe.train.steps:
             self.receiver.prefetch()
 

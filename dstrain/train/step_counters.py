@@ -273,6 +273,29 @@ class StepCounter(TorchDispatchMode):
                 "host_ops_by_op": dict(self.host_ops.most_common())}
 
 
+class CrossDeviceCopies(TorchDispatchMode):
+    """Host-to-device traffic inside a call on a device other than the CPU (the meta device stands in for CUDA on a
+    machine without one): a copy out of a CPU tensor (.to, copy_) and a CPU tensor (not 0-d) fed to an op whose output
+    lives elsewhere (CUDA copies such an index or operand over first). `sites` counts (op, file:line) of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        copy = func in (aten._to_copy.default, aten.copy_.default)
+        if any(t.device.type != "cpu" for t in _tensors(out)) and any(
+                t.device.type == "cpu" and (t.dim() or copy) for t in _tensors((args, kwargs))):
+            self.sites[(func.overloadpacket.__name__, _site())] += 1
+        return out
+
+    @property
+    def count(self) -> int:
+        return sum(self.sites.values())
+
+
 def needed_pairs(packed) -> int:
     """(query, key) pairs the packed masks allow per head group and layer: each block's γ queries against its context
     keys and its own γ keys."""

@@ -72,7 +72,7 @@ class Trainer:
         """`verified_tag`: on the main rank, the checkpoint main.preflight verified (else it is chosen here)."""
         import deepspeed
 
-        from dstrain.train.ds_glue import scope_deepspeed_to
+        from dstrain.train.ds_glue import engine_args, scope_deepspeed_to
 
         self.recipe, self.source, self.run_dir = recipe, source, run_dir
         self.frozen, self.lm_head = frozen, frozen.lm_head
@@ -106,7 +106,8 @@ class Trainer:
         if universal:
             self.load_dir = self._universal_copy()
         self.engine, _, _, self.scheduler = deepspeed.initialize(model=DraftStep(drafter, recipe.deepspeed.zero_stage == 3, self.fused_loss), optimizer=opt, lr_scheduler=sched, mpu=world.mpu,
-                                                                 config=deepspeed_config(recipe, universal), dist_init_required=False)
+                                                                 config=deepspeed_config(recipe, universal), dist_init_required=False,
+                                                                 args=engine_args(self.device))  # the run's GPU, not LOCAL_RANK's
         self.drafter = drafter
         self.clock = self._step_clock(recipe, frozen, drafter)
         self.step = 0
@@ -121,6 +122,7 @@ class Trainer:
         self.expert_load = None  # [MoE layers, E]: the last step's routed share per expert (all ranks)
         self.load_window = None  # [MoE layers, E]: slots routed per expert since the last log line (all ranks)
         self.metric_window = MetricWindow()  # the step metrics since the last log line, on the device
+        self.compile_s, self.compile_logged = None, False  # this process's warm-up (compiling.warm_up), seconds
 
     # -- state -----------------------------------------------------------------------------------------
     def _shared_resume_tag(self, verified_tag):
@@ -309,6 +311,24 @@ class Trainer:
         metrics.update(out)
         return True
 
+    def _warm_up(self, micro) -> float:
+        """compiling.warm_up before the first step of this process (phase "compile": the watchdog holds it to
+        run.compile_timeout_s, not to step times), when the step runs anything compiled; its seconds (0: nothing to
+        compile). The first micro-batch's features are fetched first (the step reuses them; not compile time)."""
+        first = micro[0]
+        if not compiling.needs_warm_up(self.fused_loss, self.compiled_drafter, first.packed):
+            return 0.0
+        first.features = first.target_features()
+        t0 = time.perf_counter()
+        compiling.warm_up(self.engine.module, self.lm_head, self.recipe, first.features, len(first.samples), self.device,
+                          getattr(self.source, "vocab", None), self.drafter.moe_layers(),
+                          lambda bucket: progress(self.step, "compile"))
+        if dist.is_initialized() and self.dp_world > 1:  # step 0 starts together: no rank waits in "train" on a peer
+            progress(self.step, "barrier")  # that is still compiling (a waiting phase the watchdog does not time)
+            dist.barrier(group=self.host_group)
+        progress(self.step, "train")
+        return time.perf_counter() - t0
+
     # -- loop --------------------------------------------------------------------------------------------
     def train(self) -> dict:
         r = self.recipe
@@ -329,6 +349,9 @@ class Trainer:
                 micro = self.source.next_step(self.step)
                 progress(self.step, "train")
                 t1, target_s = time.perf_counter(), getattr(self.source, "feature_s", 0.0)
+                if self.compile_s is None:  # once per process, off the step clock: every shape the step compiles
+                    self.compile_s = self._warm_up(micro)
+                    t1, t_last = t1 + self.compile_s, t_last + self.compile_s
                 self.metric_window.add(self.train_step(micro))  # on a GPU: queued work, read back at the log line
                 t2 = time.perf_counter()
                 self.clock.add(t1 - t0, t2 - t1, getattr(self.source, "feature_s", 0.0) - target_s, 0)
@@ -352,6 +375,8 @@ class Trainer:
                     metrics.update(self.clock.metrics())
                     metrics.update(self._expert_load_metrics(loads))
                     metrics.update(self._cache_metrics())
+                    if self.compile_s and not self.compile_logged:  # on this process's first line
+                        metrics["compile_s"], self.compile_logged = self.compile_s, True
                     monitor.log(self.step, metrics)
                     t_last, window = now, {"steps": 0, "bytes": 0}
                 stop = done = self.live_eval is not None and self.live_eval.should_stop()
@@ -379,6 +404,8 @@ class Trainer:
             monitor.close()
         summary = {"steps": self.step, "resumed_from": self.resumed_from, "preempted_at": self.preempted_at, "stopped_by": self.stopped_by, "wandb_mode": monitor.wandb_mode, "first": None, "last": None}
         summary.update(compiling.summary(self.fused_loss, self.compiled_drafter))  # train.compile as it ran
+        if self.compile_s:
+            summary["compile_s"] = round(self.compile_s, 3)
         if self.live_eval is not None:
             summary["eval"] = self.live_eval.summary()
         if self.is_main:  # from the metrics file, so a resumed run still reports its true start
