@@ -16,13 +16,7 @@ import pytest
 
 from conftest import ROOT
 from dstrain.data.shards import synthetic_shards
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("stops") / "shards"
-    synthetic_shards(str(out), "tiny-moe", 256, 192, seed=0)
-    return out
+from test_faults import shards  # noqa: F401  (the tiny-moe shards fixture, one per module)
 
 
 def train_args(shards, out, steps, *extra):
