@@ -19,7 +19,7 @@ export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: slurm install test test-fast demo eval-demo dry-run clean
+.PHONY: slurm install test test-fast demo eval-demo dry-run clean engine-check
 
 install: $(STAMP)
 
@@ -76,3 +76,9 @@ eval-demo: install
 
 clean:
 	rm -rf $(VENV) .cache
+
+# dstrain's greedy rounds and accepted tokens against vLLM's (CPU build, its own venv .venv-engine from
+# tools/engine_check/requirements.lock), per prompt, for DFlash and Eagle3 trained here on dense SmolLM2-135M.
+# Fails (never skips) when the engine cannot be installed. ENGINE_CHECK_ARGS="--out DIR ..." (tools/engine_check.py --help).
+engine-check: install
+	$(PY) tools/engine_check.py $(ENGINE_CHECK_ARGS)
