@@ -9,7 +9,7 @@ import time
 from tqdm import tqdm
 
 
-def _fmt(seconds: float) -> str:
+def fmt_s(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
@@ -35,10 +35,10 @@ class PlainProgress:
         rate = self.n / elapsed
         eta = (self.total - self.n) / rate if rate > 0 and self.total else float("nan")
         share = f" ({100 * self.n / self.total:.0f} %)" if self.total else ""
-        left = f", ETA {_fmt(eta)}" if eta == eta else ""
+        left = f", ETA {fmt_s(eta)}" if eta == eta else ""
         extra = f"; {self.postfix}" if self.postfix else ""
         return (f"{self.desc}: {self.n:,.0f}/{self.total:,.0f} {self.unit}{share}, {rate:.1f} {self.unit}/s, "
-                f"{_fmt(elapsed)} elapsed{left}{extra}")
+                f"{fmt_s(elapsed)} elapsed{left}{extra}")
 
     def _line(self) -> None:
         print(self.line(), file=self.file, flush=True)

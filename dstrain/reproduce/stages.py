@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from dstrain.errors import UserError
+from dstrain.progress import fmt_s  # noqa: F401  (S.fmt_s: the stages' times and ETAs)
 from dstrain.reproduce.families import FAMILIES, family_overrides, match_budget
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,11 +74,6 @@ def store(path: Path, key: str, payload: dict) -> dict:
     tmp.write_text(json.dumps(out, indent=1))
     os.replace(tmp, path)
     return out
-
-
-def fmt_s(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 class Clock:
