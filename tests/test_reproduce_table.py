@@ -208,30 +208,58 @@ def test_pooled_paired_difference_and_stratified_benchmark_sample():
 
 
 def test_paper_preset_end_to_end_and_resume(tiny_world):
-    """--preset paper --quick on the tiny world: three families × two seeds, 5 : 1 depth, block 7, held-out τ during
-    training, the best checkpoints evaluated on the stratified sample, DSpark against each family; a rerun reuses all."""
-    out = tiny_world / "paper"
+    """--preset paper --quick on the tiny world: three families × two seeds, 5 : 1 depth, block 7, held-out τ of a
+    subset during training, the best checkpoints evaluated on the full held-out set and the stratified benchmark sample;
+    a record per run; the table from records (DSpark against each family, the paper's claims judged); a rerun reuses
+    every stage; records of another protocol are refused and missing runs named."""
+    out, committed = tiny_world / "paper", tiny_world / "committed"
+    committed.mkdir()
     args = ["tools/reproduce_table.py", "--preset", "paper", "--quick", "--recipe", tiny_world / "recipe.yaml",
-            "--corpus", tiny_world / "corpus", "--out", out]
+            "--corpus", tiny_world / "corpus", "--out", out, "--record-to", committed]
     run_tool(*args, timeout=1200)
     res = json.loads((out / "results.json").read_text())
-    assert sorted(res["runs"]) == sorted(f"{f}-s{s}" for f in ("dspark-markov", "dflash", "eagle3") for s in (0, 1))
+    names = sorted(f"{f}-s{s}" for f in ("dspark-markov", "dflash", "eagle3") for s in (0, 1))
+    assert sorted(res["runs"]) == names and res["missing"] == []
+    assert sorted(p.stem for p in committed.glob("*.json")) == names
     for name, r in res["runs"].items():
         recipe = yaml.safe_load((out / "runs" / name / "recipe.yaml").read_text())
         assert recipe["drafter"]["num_layers"] == (1 if r["family"] == "eagle3" else 5)
         assert recipe["drafter"]["block_size"] == 7 and recipe["eval"]["every"] == 3 and recipe["run"]["seed"] == r["seed"]
-        assert r["curve"]["points"] and r["best"]["step"] in [p["step"] for p in r["curve"]["points"]]
-        ev = json.loads((out / "eval" / f"{name}.json").read_text())
-        assert ev["result"]["trained_steps"] == r["best"]["step"]  # the best checkpoint was evaluated
-        assert len(ev["prompt_ids"]) == 6 and all(len(ev["totals"][d]["tokens"]) == 2 for d in ("math", "code", "chat"))
-    assert len({tuple(json.loads((out / "eval" / f"{n}.json").read_text())["prompt_ids"]) for n in res["runs"]}) == 1
+        assert recipe["eval"]["per_domain"] == 2  # the plateau subset
+        points = r["curve"]["points"]
+        assert points and r["training"]["best"]["step"] in [p["step"] for p in points]
+        assert all(len(p["prompts"][d]["tokens"]) == 2 for p in points for d in p["prompts"])
+        rec = json.loads((committed / f"{name}.json").read_text())
+        assert rec["held_out"]["trained_steps"] == rec["benchmarks"]["trained_steps"] == r["training"]["best"]["step"]
+        assert len(rec["benchmarks"]["prompt_ids"]) == 6 and len(rec["held_out"]["prompt_ids"]) == 9
+        assert rec["code"]["commit"] != "unknown" and rec["protocol_key"] == res["protocol_key"]
+        # the subset the plateau was judged on is the first prompts of the full held-out set, per domain
+        for d, tot in rec["held_out"]["totals"].items():
+            assert len(tot["tokens"]) == 3
+    assert len({tuple(json.loads((committed / f"{n}.json").read_text())["benchmarks"]["prompt_ids"]) for n in names}) == 1
     assert set(res["versus_dspark"]) == {"dflash", "eagle3"} and "97.50 %" in res["correction"]
     for v in res["versus_dspark"].values():
-        assert v["seeds"] == [0, 1] and v["lo"] <= v["diff"] <= v["hi"]
-    assert "Every family against DSpark" in (out / "results.md").read_text()
+        assert v["seeds"] == [0, 1] and v["lo"] <= v["diff"] <= v["hi"] and v["verdict"]
+    text = (out / "results.md").read_text()
+    assert "Every family against DSpark" in text and "The paper's claims" in text
     assert (out / "learning_curves.png").stat().st_size > 5000 and (out / "tau_seeds.png").stat().st_size > 5000
     again = run_tool(*args, timeout=300)
-    assert again.stdout.count("reused (config unchanged)") == 13, again.stdout
+    assert again.stdout.count("reused (config unchanged)") == 1 + 3 * 6, again.stdout
+
+    # the table from committed records alone, with a run missing: named, the rest assembled
+    (committed / "eagle3-s1.json").unlink()
+    table = tiny_world / "table"
+    done = run_tool("tools/reproduce_table.py", "--preset", "paper", "--records", committed, "--out", table, timeout=120)
+    assert "Missing runs (1 of 6 remain): eagle3-s1" in done.stdout
+    assert json.loads((table / "results.json").read_text())["versus_dspark"]["eagle3"]["seeds"] == [0]
+    # a record of another protocol is refused, naming the setting that differs
+    rec = json.loads((committed / "dflash-s1.json").read_text())
+    rec["protocol"]["sizes"]["eval_new_tokens"] = 99
+    rec["protocol_key"] = "0123456789abcdef"
+    (committed / "dflash-s1.json").write_text(json.dumps(rec))
+    bad = run_tool("tools/reproduce_table.py", "--preset", "paper", "--records", committed, "--out", table, check=False,
+                   timeout=120)
+    assert bad.returncode != 0 and "another protocol" in bad.stderr and "sizes.eval_new_tokens: 6 vs 99" in bad.stderr
 
 
 def test_every_family_is_a_valid_recipe_that_changes_what_its_name_says():

@@ -6,9 +6,12 @@ prompts, conditional acceptance per position, learning curves (held-out τ at ch
   dstrain table                     # the full table (about 2.5 h on 2 CPU cores, see README)
   dstrain table --quick             # a few-minute smoke run of the same pipeline
   dstrain table --device cuda       # training and evaluation on one GPU
-  dstrain table --preset paper --out runs/paper   # the paper's configuration at convergence, two seeds
-                                               # (DSpark / DFlash 5 layers, Eagle3 1, block 7, held-out τ every epoch
-                                               # until it stops rising; many hours of CPU, resumable; see README)
+  dstrain table --preset paper --run dspark-markov:0 --record-to benchmarks/paper-runs
+                                    # one run of the paper's configuration at convergence (DSpark / DFlash 5 layers,
+                                    # Eagle3 1, block 7, held-out τ every epoch until it stops rising): under 100 min
+                                    # of one core, resumable; its record is what the table is made of
+  dstrain table --preset paper --records benchmarks/paper-runs --out benchmarks/paper-table
+                                    # the table from committed records (three families × seeds 0, 1, 2)
 
 Rerunning the same command resumes: stages whose configuration is unchanged are reused, an interrupted training
 continues from its last checkpoint. Writes OUT/results.json, results.md, tau_ci.png, acceptance.png,
@@ -66,7 +69,14 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep intermediate checkpoints after the curves")
     ap.add_argument("--preset", choices=("budget", "paper"), default="budget",
                     help="budget: every family at one equal budget of supervised positions; paper: the "
-                         "paper's offline configuration trained to a held-out plateau, two seeds (dstrain/reproduce/paper.py); default %(default)s")
+                         "paper's offline configuration trained to a held-out plateau, three seeds, a record per run "
+                         "(dstrain/reproduce/paper.py); default %(default)s")
+    ap.add_argument("--run", metavar="FAMILY:SEED", help="paper preset: train and evaluate this one run and write its "
+                    "record to OUT/records (default: every run of the table in turn)")
+    ap.add_argument("--record-to", metavar="DIR", help="paper preset: also copy each run's record into DIR, e.g. the "
+                    "committed benchmarks/paper-runs (default: none)")
+    ap.add_argument("--records", metavar="DIR", nargs="+", help="paper preset: assemble the table into OUT from the run "
+                    "records in these folders, loading nothing (default: none)")
     ap.add_argument("--stop-after", choices=("data", "train"), help="paper preset: stop after this stage (train on one "
                     "machine, evaluate on another; default: run every stage)")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved plan (stages, first-guess times, ETA) "
@@ -117,15 +127,18 @@ def dry_run(args: argparse.Namespace) -> int:
     train_prompts = man.get("held_out", {}).get("train_prompts", man["records"])
     if args.preset == "paper":
         from dstrain.reproduce import paper as PP
-        from dstrain.reproduce.paper_run import make_config as paper_config
+        from dstrain.reproduce.paper_run import make_config as paper_config, planned_runs, sizes_of
 
-        sizes = PP.QUICK if args.quick else PP.PaperSizes()
+        sizes = sizes_of(args)
         cfg = paper_config(args, sizes)
-        plan = PP.estimates(cfg, sizes, train_prompts)
-        what = (f"paper preset: {', '.join(PP.PAPER_FAMILIES)} × seeds {list(sizes.seeds)}, depth {PP.DEPTH}, block "
-                f"{sizes.block_size}, up to {sizes.epochs} epochs, held-out τ every epoch on {sizes.eval_per_domain} prompts "
-                f"per domain × {sizes.eval_new_tokens} tokens, stop after {sizes.patience} without a gain; benchmarks "
-                f"{sizes.bench_prompts} prompts × {sizes.bench_new_tokens} tokens")
+        runs = planned_runs(args, sizes)
+        plan = PP.estimates(sizes, train_prompts, runs)
+        what = (f"paper preset: {', '.join(PP.run_name(f, s) for f, s in runs)}, depth {PP.DEPTH}, block "
+                f"{sizes.block_size}, up to {sizes.epochs} epochs, held-out τ every epoch on {sizes.plateau_per_domain} "
+                f"prompts per domain × {sizes.eval_new_tokens} tokens, stop after {sizes.patience} without a gain; the best "
+                f"on {sizes.held_out_per_domain} held-out prompts per domain and {sizes.bench_prompts} prompts per benchmark "
+                f"× {sizes.bench_new_tokens} tokens; records to {cfg.out / 'records'}"
+                + (f" and {args.record_to}" if args.record_to else ""))
     else:
         cfg = make_config(args)
         plan = S.estimates(cfg, train_prompts)
@@ -148,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     args.invocation = getattr(args, "invocation", (["dstrain", "table"], sys.argv[1:]))
     args.argv = args.invocation[1]  # the command line is recorded in results.json
-    if args.dry_run:
+    if args.preset != "paper" and (args.run or args.records or args.record_to):
+        raise UserError("--run, --records and --record-to belong to the paper preset: add --preset paper")
+    if args.records and args.run:
+        raise UserError("--records assembles the table from records and --run makes one: give one of them")
+    if args.dry_run and not args.records:
         return dry_run(args)
     if args.preset == "paper":
         from dstrain.reproduce.paper_run import run_paper

@@ -108,7 +108,11 @@ def pooled_paired_difference(a: list[dict], b: list[dict], samples: int = 2000, 
             per_seed.append(torch.stack(taus).mean(0))
         return torch.stack(per_seed).mean(0)
 
-    diff = macro(a, True) - macro(b, True)
+    boot_a, boot_b = macro(a, True), macro(b, True)
+    point_a, point_b = macro(a, False), macro(b, False)
     few = any(len(a[0][d][0]) < MIN_PROMPTS for d in domains)
-    lo, hi = (NAN, NAN) if few else percentiles(diff, level)
-    return {"diff": float(macro(a, False) - macro(b, False)), "lo": lo, "hi": hi, "level": level}
+    lo, hi = (NAN, NAN) if few else percentiles(boot_a - boot_b, level)
+    # A's relative gain over B, macro A / macro B − 1, from the same draws
+    gain_lo, gain_hi = (NAN, NAN) if few else percentiles(boot_a / boot_b.clamp(min=1e-12) - 1, level)
+    return {"diff": float(point_a - point_b), "lo": lo, "hi": hi, "level": level,
+            "gain": float(point_a / point_b.clamp(min=1e-12) - 1), "gain_lo": gain_lo, "gain_hi": gain_hi}

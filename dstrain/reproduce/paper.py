@@ -1,16 +1,14 @@
-"""`tools/reproduce_table.py --preset paper`: the paper's offline configuration (§4.1) at convergence on the embedded
-default target, with two training seeds per family.
+"""`dstrain table --preset paper`: the paper's offline configuration (§4.1) at convergence on the embedded default
+target. A (family, seed) run is the unit: it trains, evaluates its best checkpoint and writes a small record
+(paper_record.py) that is committed; the table is assembled from records (paper_table.py).
 
 - Families: DSpark (Markov), DFlash (anchor + mask slots, only the masks predict), Eagle3 — the paper's Table 1.
 - Depth 5 : 1 (DSpark and DFlash 5 layers, Eagle3 1 layer), block size 7 (Eagle3's training-time-test horizon 7),
   position weights exp(−(k−1)/7); everything else (anchors, window, learning rate) as the base recipe.
-- Convergence: up to `epochs` passes over the training split, held-out τ (evaluation during training, 30 prompts per
-  domain of the clean held-out split) every epoch; a run stops when `patience` evaluations in a row bring no new best.
-  The benchmark evaluation reads each run's best checkpoint.
-- Every training run is resumable (checkpoints every `checkpoint_every` steps); the runs go seed-major, so after the
-  first three the table has one seed of every family.
-
-Training stages only here; evaluation and the report are in paper_eval.py.
+- Convergence: up to `epochs` passes over the training split; after each, held-out τ on a fixed small subset (the
+  first `plateau_per_domain` held-out prompts of each domain, decoded in batches); a run stops when `patience`
+  evaluations in a row bring no new best. Only the best checkpoint gets the full held-out evaluation
+  (`held_out_per_domain` prompts per domain, a superset of the subset) and the benchmarks.
 """
 
 from __future__ import annotations
@@ -29,21 +27,32 @@ DEPTH = {"dspark-markov": 5, "dflash": 5, "eagle3": 1}
 
 @dataclass(frozen=True)
 class PaperSizes:
-    seeds: tuple[int, ...] = (0, 1)
+    seeds: tuple[int, ...] = (0, 1, 2)
     epochs: int = 10
     block_size: int = 7
-    eval_per_domain: int = 30
+    plateau_per_domain: int = 4  # the held-out subset decoded after every epoch
+    held_out_per_domain: int = 30  # the full held-out evaluation, once, of the best checkpoint
     eval_new_tokens: int = 64
     patience: int = 2
     checkpoint_every: int = 100
-    # benchmark evaluation of the best checkpoints
     bench_prompts: int = 30
     bench_new_tokens: int = 128
     epoch_cap: int | None = None  # steps an "epoch" at most (smoke runs)
 
 
-QUICK = PaperSizes(seeds=(0, 1), epochs=2, eval_per_domain=1, eval_new_tokens=6, patience=1, checkpoint_every=3,
-                   bench_prompts=2, bench_new_tokens=8, epoch_cap=3)
+QUICK = PaperSizes(seeds=(0, 1), epochs=2, plateau_per_domain=2, held_out_per_domain=3, eval_new_tokens=6, patience=1,
+                   checkpoint_every=3, bench_prompts=2, bench_new_tokens=8, epoch_cap=3)
+
+
+def parse_run(text: str, sizes: PaperSizes) -> tuple[str, int]:
+    """'FAMILY:SEED' → (family, seed), checked against the preset."""
+    from dstrain.errors import UserError
+
+    family, _, seed = text.partition(":")
+    if family not in PAPER_FAMILIES or not seed.isdigit():
+        raise UserError(f"--run {text}: give FAMILY:SEED with FAMILY one of {', '.join(PAPER_FAMILIES)} and SEED a "
+                        f"number (the table's seeds are {', '.join(map(str, sizes.seeds))}), e.g. --run dspark-markov:0")
+    return family, int(seed)
 
 
 def run_name(family: str, seed: int) -> str:
@@ -68,8 +77,8 @@ def overrides(cfg: S.Config, recipe, sizes: PaperSizes, family: str, seed: int, 
           f"train.checkpoint_every={sizes.checkpoint_every}", "train.keep_checkpoints=2",
           *family_overrides(family, target_layers), f"drafter.num_layers={layers}",
           f"drafter.block_size={sizes.block_size}", f"loss.gamma_decay={float(sizes.block_size)}",
-          f"eval.every={per_epoch}", f"eval.corpus={cfg.corpus}", f"eval.per_domain={sizes.eval_per_domain}",
-          f"eval.max_new_tokens={sizes.eval_new_tokens}", f"eval.batch={sizes.eval_per_domain}",
+          f"eval.every={per_epoch}", f"eval.corpus={cfg.corpus}", f"eval.per_domain={sizes.plateau_per_domain}",
+          f"eval.max_new_tokens={sizes.eval_new_tokens}", f"eval.batch={sizes.plateau_per_domain}",
           f"eval.patience={sizes.patience}"]
     if cfg.feature_cache is not None:  # one target pass for every run (seeds included: features depend on the sample)
         union = sorted(set(resolve_capture_layers(recipe.target.name, target_layers, recipe.target.capture_layers,
@@ -97,7 +106,8 @@ def read_curve(run_dir: Path) -> dict:
                for d, v in row["prompts"].items()}
         ci = macro_interval(per, 2000, seed=0)
         points.append({"step": step, "macro_tau": row["tau"], "lo": ci["lo"], "hi": ci["hi"],
-                       "tau": {d: float(t.sum() / r.sum().clamp(min=1e-12)) for d, (t, r) in per.items()}})
+                       "tau": {d: float(t.sum() / r.sum().clamp(min=1e-12)) for d, (t, r) in per.items()},
+                       "prompts": row["prompts"]})
     training = S.training_curve(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     return {"points": points, "training": training}
 
@@ -119,22 +129,25 @@ def train_run(cfg: S.Config, recipe, sizes: PaperSizes, data: dict, target_layer
                   "eval": summary.get("eval"), "epoch_steps": per_epoch}
 
 
-def estimates(cfg: S.Config, sizes: PaperSizes, samples: int, families=PAPER_FAMILIES) -> list[tuple[str, str, float]]:
+def estimates(sizes: PaperSizes, samples: int, runs: list[tuple[str, int]], cache_filled: bool = False
+              ) -> list[tuple[str, str, float]]:
     """First-guess seconds per stage on one CPU core at SmolLM2-MoE sizes, assuming the plateau comes at two thirds of
     the epochs; refined as stages finish. Measured for DSpark (Markov, 5 layers, block 7) on 2026-12-02
     (benchmarks/cpu-2026-12-02-paper-partial): 0.45 s a step from cached features, 0.6 s a sample to fill the cache,
-    790 s for the held-out evaluation after each epoch (90 prompts × 64 tokens; the target's verification forwards are
-    61 % of it). DFlash and Eagle3 steps are scaled from DSpark's by the first guesses' ratios (not yet measured)."""
+    790 s to decode 90 held-out prompts × 64 tokens (the target's verification forwards are 61 % of it). DFlash and
+    Eagle3 steps are scaled from DSpark's by the first guesses' ratios."""
     step_s = {"dspark-markov": 0.45, "dflash": 0.33, "eagle3": 0.18}
-    held_out_eval_s = 790.0 * sizes.eval_per_domain * sizes.eval_new_tokens / (30 * 64)
+
+    def decode_s(prompts: int, tokens: int) -> float:
+        return 790.0 * prompts * tokens / (90 * 64)
+
     per_epoch = samples / 2 if sizes.epoch_cap is None else min(samples / 2, sizes.epoch_cap)
+    epochs = max(1, round(sizes.epochs * 2 / 3))
     plan = [("data", "data", 30.0)]
-    for seed in sizes.seeds:
-        for fam in families:
-            epochs = max(1, round(sizes.epochs * 2 / 3))
-            fill = 0.6 * samples if (seed, fam) == (sizes.seeds[0], families[0]) else 0.0  # the first run fills the cache
-            plan.append((f"train {run_name(fam, seed)}", "train", fill + epochs * (per_epoch * step_s[fam] + held_out_eval_s)))
-    for seed in sizes.seeds:
-        for fam in families:
-            plan.append((f"evaluate {run_name(fam, seed)}", "eval", 3 * sizes.bench_prompts * (sizes.bench_new_tokens / 1.3) * 0.06))
+    for i, (fam, seed) in enumerate(runs):
+        fill = 0.0 if cache_filled or i else 0.6 * samples  # the first run on a machine fills the feature cache
+        plateau = decode_s(3 * sizes.plateau_per_domain, sizes.eval_new_tokens)
+        plan.append((f"train {run_name(fam, seed)}", "train", fill + epochs * (per_epoch * step_s[fam] + plateau)))
+        plan.append((f"held-out {run_name(fam, seed)}", "eval", decode_s(3 * sizes.held_out_per_domain, sizes.eval_new_tokens)))
+        plan.append((f"benchmarks {run_name(fam, seed)}", "eval", decode_s(3 * sizes.bench_prompts, sizes.bench_new_tokens) / 2))
     return plan

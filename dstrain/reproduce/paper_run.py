@@ -1,10 +1,15 @@
-"""The driver of `tools/reproduce_table.py --preset paper`: data → training runs (paper.py) → benchmark evaluation of
-each run's best checkpoint and the report (paper_eval.py), the report rewritten after every evaluation so partial
-results are readable while the rest runs."""
+"""The drivers of `dstrain table --preset paper`:
+
+- `--run FAMILY:SEED`: data → one training run (paper.py) → its best checkpoint on the full held-out set and the
+  benchmarks → its record, OUT/records/NAME.json (paper_record.py), copied to `--record-to` if given;
+- `--records DIR ...`: the table from committed records (paper_table.py), nothing loaded;
+- neither: every run of the table in turn, then the table from OUT/records.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -28,36 +33,68 @@ def make_config(args, sizes):
     return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=resolve_corpus(args.corpus),
                   families=[], steps=0, eval_prompts=sizes.bench_prompts, max_new_tokens=sizes.bench_new_tokens,
                   batch=sizes.bench_prompts, device=args.device, seed=args.seed, curve_points=1,
-                  curve_prompts=sizes.eval_per_domain, curve_new_tokens=sizes.eval_new_tokens,
+                  curve_prompts=sizes.plateau_per_domain, curve_new_tokens=sizes.eval_new_tokens,
                   feature_cache=cache and cache.resolve(), feature_cache_gb=args.feature_cache_gb, threads=args.threads,
                   bootstrap_samples=args.bootstrap, resume=args.resume, keep_checkpoints=True, argv=list(args.argv))
 
 
+def sizes_of(args):
+    from dstrain.reproduce import paper as PP
+
+    return PP.QUICK if args.quick else PP.PaperSizes()
+
+
+def planned_runs(args, sizes) -> list[tuple[str, int]]:
+    from dstrain.reproduce import paper as PP
+
+    if args.run:
+        return [PP.parse_run(args.run, sizes)]
+    return [(fam, seed) for seed in sizes.seeds for fam in PP.PAPER_FAMILIES]  # seed-major: every family once first
+
+
+def assemble_records(args) -> int:
+    from dstrain.reproduce import paper_record, paper_table
+
+    folders = [Path(x) for x in args.records]
+    out = Path(args.out)
+    text = paper_table.write(paper_record.load(folders), out, args.bootstrap)
+    print(text)
+    print(f"wrote {out}/results.md, results.json, learning_curves.png, tau_seeds.png")
+    return 0
+
+
 def run_paper(args) -> int:
+    if args.records:
+        return assemble_records(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     from transformers import AutoConfig
 
     from dstrain.data import corpus
     from dstrain.recipe import load_recipe
-    from dstrain.reproduce import paper as PP, stages as S
+    from dstrain.reproduce import paper as PP, paper_record, paper_table, stages as S
     from dstrain.reproduce.out_lock import hold_out_folder
     from dstrain.targets import target_folder
 
-    sizes = PP.QUICK if args.quick else PP.PaperSizes()
+    sizes = sizes_of(args)
+    runs = planned_runs(args, sizes)
+    record_to = Path(args.record_to).resolve() if args.record_to else None
+    if record_to is not None and not record_to.is_dir():
+        raise UserError(f"--record-to {args.record_to}: no such folder; create it (e.g. mkdir -p {args.record_to})")
     cfg = make_config(args, sizes)
     lock = hold_out_folder(cfg.out, args.argv)  # noqa: F841  (held until this process exits)
     torch.set_num_threads(cfg.threads)
     cfg.out.mkdir(parents=True, exist_ok=True)
     recipe = load_recipe(cfg.recipe, [f"data.shards={cfg.out / 'data' / 'shards'}", f"run.seed={cfg.seed}"])
-    held = corpus.manifest(cfg.corpus)["held_out"]
-    train_prompts = held.get("train_prompts", corpus.manifest(cfg.corpus)["records"])
-    clock = S.Clock(PP.estimates(cfg, sizes, train_prompts))
-    print(f"reproduce_table --preset paper: {', '.join(PP.PAPER_FAMILIES)} × seeds {list(sizes.seeds)}; depth "
-          f"{PP.DEPTH}, block {sizes.block_size}, up to {sizes.epochs} epochs, held-out τ every epoch on "
-          f"{sizes.eval_per_domain} prompts per domain, stop after {sizes.patience} without a gain; device {cfg.device}; "
-          f"ETA {S.fmt_s(clock.eta())} (first guess; refined as stages finish)", flush=True)
-    start = time.perf_counter()
+    man = corpus.manifest(cfg.corpus)
+    train_prompts = man.get("held_out", {}).get("train_prompts", man["records"])
+    cache_filled = cfg.feature_cache is not None and cfg.feature_cache.is_dir() and any(cfg.feature_cache.iterdir())
+    clock = S.Clock(PP.estimates(sizes, train_prompts, runs, cache_filled))
+    print(f"dstrain table --preset paper: {', '.join(PP.run_name(f, s) for f, s in runs)}; depth {PP.DEPTH}, block "
+          f"{sizes.block_size}, up to {sizes.epochs} epochs, held-out τ of {sizes.plateau_per_domain} prompts per domain "
+          f"after each, stop after {sizes.patience} without a gain; the best on {sizes.held_out_per_domain} held-out "
+          f"prompts per domain and {sizes.bench_prompts} per benchmark; device {cfg.device}; ETA {S.fmt_s(clock.eta())} "
+          "(first guess; refined as stages finish)", flush=True)
     data = S.prepare_data(cfg, recipe, clock)
     print(f"  data: {data['train_conversations']} training conversations, {data['samples']} samples "
           f"({PP.epoch_steps(recipe, data['samples'])} steps an epoch), {data['held_out_prompts']} held-out prompts",
@@ -65,28 +102,27 @@ def run_paper(args) -> int:
     if args.stop_after == "data":
         return 0
     layers = AutoConfig.from_pretrained(target_folder(recipe.target)).num_hidden_layers
-    runs = {}
-
-    def report_so_far(evals):
-        from dstrain.reproduce import paper_eval
-
-        paper_eval.write_report(cfg, sizes, data, runs, evals, time.perf_counter() - start)
-
-    evals: dict = {}
+    proto = paper_record.protocol(sizes, cfg.recipe, cfg.corpus, recipe.target.name, PP.DEPTH)
     ev = None
-    for seed in sizes.seeds:  # seed-major: after the first seed the table has every family once
-        for fam in PP.PAPER_FAMILIES:
-            name, rec = PP.train_run(cfg, recipe, sizes, data, layers, clock, fam, seed)
-            runs[name] = rec
-            if args.stop_after == "train":
-                continue
-            from dstrain.reproduce import paper_eval
-
-            ev = ev or S.Evaluator(cfg.out / "runs" / name, cfg.device)  # the target, loaded once for every run
-            evals[name] = paper_eval.evaluate_run(cfg, ev, name, rec, clock)
-            report_so_far(evals)
-            print(f"  {name}: benchmark macro τ {paper_eval.macro_of(evals[name]):.3f}; report so far in "
-                  f"{cfg.out}/results.md", flush=True)
-    if args.stop_after != "train":
-        print(f"wrote {cfg.out}/results.md, results.json, tau_seeds.png, learning_curves.png")
+    for fam, seed in runs:
+        t0 = time.perf_counter()
+        name, rec = PP.train_run(cfg, recipe, sizes, data, layers, clock, fam, seed)
+        if args.stop_after == "train":
+            continue
+        ev = ev or S.Evaluator(cfg.out / "runs" / name, cfg.device)  # the target, loaded once for every run
+        evals = paper_record.evaluate_best(cfg, ev, sizes, name, recipe.target.name, rec["key"], clock)
+        ov = PP.overrides(cfg, recipe, sizes, fam, seed, data, layers)
+        record = paper_record.write(cfg, sizes, proto, rec, evals, data, ov)
+        path = cfg.out / "records" / f"{name}.json"
+        if record_to is not None:
+            shutil.copyfile(path, record_to / path.name)
+        bench = paper_table.assemble([{**record, "_path": str(path)}], args.bootstrap)["runs"][name]
+        print(f"  {name}: benchmark macro τ {bench['macro']['tau']:.3f} [{bench['macro']['lo']:.3f}, "
+              f"{bench['macro']['hi']:.3f}]; record {path}{f' (copied to {record_to})' if record_to else ''}; "
+              f"{S.fmt_s(time.perf_counter() - t0)} this run", flush=True)
+    if args.stop_after == "train" or args.run:
+        return 0
+    text = paper_table.write(paper_record.load([cfg.out / "records"]), cfg.out, args.bootstrap)
+    print(text.split("## Runs")[0])
+    print(f"wrote {cfg.out}/results.md, results.json, learning_curves.png, tau_seeds.png")
     return 0

@@ -25,6 +25,29 @@ from dstrain.errors import UserError
 BEST = "best"
 
 
+def held_out_records(folder: Path, target_name: str, per_domain: int) -> dict[str, list[dict]]:
+    """{domain: records}: the first `per_domain` prompts of each domain of a corpus's held-out split, in file order, so
+    a smaller count is a subset of a larger one."""
+    from dstrain.data import corpus
+
+    man = corpus.manifest(folder)
+    if man["target"]["name"] != target_name:
+        raise UserError(f"eval.prompts=held_out reads the held-out split of {folder}, made by target "
+                        f"{man['target']['name']}; this run's target is {target_name}: set eval.corpus to its "
+                        "corpus or eval.prompts to a prompts JSONL")
+    keep = set(man["held_out"]["ids"])
+    records = [json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    return _first_per_domain([r for r in records if r["id"] in keep], per_domain)
+
+
+def _first_per_domain(records: list[dict], per_domain: int) -> dict[str, list[dict]]:
+    by_domain: dict[str, list[dict]] = {}
+    for r in records:
+        if len(by_domain.setdefault(r["domain"], [])) < per_domain:
+            by_domain[r["domain"]].append(r)
+    return dict(sorted(by_domain.items()))
+
+
 def eval_prompts(recipe) -> dict[str, list[dict]]:
     """{domain: records} as eval.prompts says, eval.per_domain of each domain in file order."""
     from dstrain.data import corpus
@@ -32,26 +55,14 @@ def eval_prompts(recipe) -> dict[str, list[dict]]:
 
     cfg = recipe.eval
     if cfg.prompts == "held_out":
-        folder = Path(cfg.corpus) if cfg.corpus else corpus.DEFAULT
-        man = corpus.manifest(folder)
-        if man["target"]["name"] != recipe.target.name:
-            raise UserError(f"eval.prompts=held_out reads the held-out split of {folder}, made by target "
-                            f"{man['target']['name']}; this run's target is {recipe.target.name}: set eval.corpus to its "
-                            "corpus or eval.prompts to a prompts JSONL")
-        keep = set(man["held_out"]["ids"])
-        records = [json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines() if line.strip()]
-        records = [r for r in records if r["id"] in keep]
+        by_domain = held_out_records(Path(cfg.corpus) if cfg.corpus else corpus.DEFAULT, recipe.target.name, cfg.per_domain)
     else:
         if not Path(cfg.prompts).is_file():
             raise UserError(f"eval.prompts {cfg.prompts}: no such file; give a prompts JSONL or 'held_out'")
-        records, _ = P.prompt_file(cfg.prompts)
-    by_domain: dict[str, list[dict]] = {}
-    for r in records:
-        if len(by_domain.setdefault(r["domain"], [])) < cfg.per_domain:
-            by_domain[r["domain"]].append(r)
+        by_domain = _first_per_domain(P.prompt_file(cfg.prompts)[0], cfg.per_domain)
     if not by_domain:
         raise UserError(f"eval.prompts {cfg.prompts}: no prompts to evaluate on")
-    return dict(sorted(by_domain.items()))
+    return by_domain
 
 
 def counts_of(logs: dict, gamma: int) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""A paper-preset run's result record: what `dstrain table --preset paper` assembles the table from.
+
+One JSON file per (family, seed), small enough to commit (per-prompt acceptance totals, not rollouts): the protocol
+it was measured under (and its key), the code version, the learning curve, and the best checkpoint's per-prompt
+totals on the full held-out set and on the benchmarks. Records made on different machines and days assemble into one
+table as long as their protocol keys are equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from dstrain.errors import UserError
+from dstrain.reproduce import stages as S
+from dstrain.reproduce.paper import run_name
+from dstrain.reproduce.report import BENCH
+
+SCHEMA = 1
+PROTOCOL_SEED = 0  # benchmark prompts and decoding draws: the same for every run, so runs compare paired
+
+
+def protocol(sizes, recipe_path: str, corpus_folder: Path, target: str, depth: dict) -> dict:
+    """Everything that decides what a record's numbers mean; the seeds are not part of it (a record is one seed)."""
+    from dstrain.data import corpus
+
+    man = corpus.manifest(corpus_folder)
+    sz = {k: v for k, v in dataclasses.asdict(sizes).items() if k != "seeds"}
+    return {"preset": "paper", "sizes": sz, "depth": dict(depth), "target": target, "protocol_seed": PROTOCOL_SEED,
+            "recipe_sha256": S.key_of(Path(recipe_path).read_text()), "corpus_sha256": man["sha256"],
+            "held_out_rule": man["held_out"]["rule"]}
+
+
+def code_version() -> dict:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=S.REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "HEAD")
+    return {"commit": commit or "unknown", "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def machine() -> dict:
+    return {"host_cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def _totals(ev: S.Evaluator, cand, records: list[dict], batch: int, max_new: int) -> dict:
+    from dstrain.decoding.bootstrap import prompt_totals
+
+    by_domain = ev.prompts(records)
+    res, rollouts = ev.run(cand, by_domain, batch, max_new, PROTOCOL_SEED)
+    totals = {}
+    for domain, logs in rollouts.items():
+        tokens, rounds = prompt_totals(logs, len(by_domain[domain]))
+        totals[domain] = {"tokens": tokens.tolist(), "rounds": rounds.tolist()}
+    return {"prompt_ids": [r["id"] for r in records], "totals": totals, "trained_steps": res["trained_steps"],
+            "conditional_acceptance": {d: res["domains"][d]["conditional_acceptance"] for d in totals}}
+
+
+def evaluate_best(cfg: S.Config, ev: S.Evaluator, sizes, name: str, target: str, train_key: str, clock: S.Clock) -> dict:
+    """The best checkpoint on the full held-out set and on the benchmarks; each stage stored and reused by key."""
+    from dstrain.decoding.prompts import sampled_benchmark_prompts
+    from dstrain.train.live_eval import held_out_records
+
+    run_dir = cfg.out / "runs" / name
+    out = {}
+    stages = {
+        "held_out": lambda: [r for recs in held_out_records(cfg.corpus, target, sizes.held_out_per_domain).values() for r in recs],
+        "benchmarks": lambda: sampled_benchmark_prompts(list(BENCH), sizes.bench_prompts, PROTOCOL_SEED)}
+    shape = {"held_out": (sizes.held_out_per_domain, sizes.eval_new_tokens),
+             "benchmarks": (sizes.bench_prompts, sizes.bench_new_tokens)}
+    cand = None
+    for stage, records in stages.items():
+        batch, max_new = shape[stage]
+        key = S.key_of({"train": train_key, "stage": stage, "batch": batch, "new": max_new, "protocol": PROTOCOL_SEED,
+                        "tag": "best"})
+        path = cfg.out / "eval" / f"{name}.{stage}.json"
+        done = S.reuse(path, key, cfg.resume)
+        if done:
+            clock.finish(f"{stage.replace('_', '-')} {name}", 0.0, reused=True)
+            out[stage] = done
+            continue
+        t0 = time.perf_counter()
+        cand = cand or ev.candidate(run_dir, name, "best")
+        result = _totals(ev, cand, records(), batch, max_new)
+        seconds = time.perf_counter() - t0
+        out[stage] = S.store(path, key, {**result, "seconds": seconds})
+        clock.finish(f"{stage.replace('_', '-')} {name}", seconds)
+    return out
+
+
+def write(cfg: S.Config, sizes, proto: dict, rec: dict, evals: dict, data: dict, overrides: list[str]) -> dict:
+    """OUT/records/NAME.json, written whole (temporary file, then rename)."""
+    strip = lambda ev: {k: v for k, v in ev.items() if k != "key"}  # noqa: E731
+    record = {
+        "schema": SCHEMA, "run": run_name(rec["family"], rec["seed"]), "family": rec["family"], "label": rec["label"], "seed": rec["seed"],
+        "protocol_key": S.key_of(proto), "protocol": proto, "table_seeds": list(sizes.seeds), "code": code_version(), "machine": machine(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "data": {k: data[k] for k in ("train_conversations", "samples", "held_out_prompts") if k in data},
+        "overrides": [o for o in overrides if not o.startswith(("data.shards=", "run.output_dir=", "eval.corpus=",
+                                                                "train.feature_cache_dir="))],
+        "training": {"steps": rec["steps"], "epoch_steps": rec["epoch_steps"], "seconds": rec["seconds"],
+                     "best": (rec.get("eval") or {}).get("best"),
+                     "stopped_early": (rec.get("eval") or {}).get("stopped_early"),
+                     "feature_cache": rec.get("feature_cache")},
+        "curve": rec["curve"], "held_out": strip(evals["held_out"]), "benchmarks": strip(evals["benchmarks"])}
+    path = cfg.out / "records" / f"{record['run']}.json"
+    S.store(path, record["protocol_key"], record)
+    return json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------------------------- reading records
+def load(folders: list[Path]) -> list[dict]:
+    """Every record (*.json with the record's schema) in the folders; one clear line for what cannot be read."""
+    records, seen = [], {}
+    for folder in folders:
+        if not folder.is_dir():
+            raise UserError(f"--records {folder}: no such folder; give the folder the run records were copied to "
+                            "(e.g. benchmarks/paper-runs)")
+        for path in sorted(folder.glob("*.json")):
+            try:
+                rec = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"{path}: not a readable run record ({e}); remove it or copy it again") from None
+            if not isinstance(rec, dict) or rec.get("schema") != SCHEMA or "protocol_key" not in rec:
+                continue  # another file kept beside the records (a README's JSON, a results file)
+            ident = (rec["family"], rec["seed"])
+            if ident in seen:
+                raise UserError(f"{path} and {seen[ident]} are both {rec['run']}: keep one of them")
+            seen[ident] = path
+            rec["_path"] = str(path)
+            records.append(rec)
+    if not records:
+        raise UserError(f"--records {', '.join(map(str, folders))}: no run records there; make one with "
+                        "`dstrain table --preset paper --run dspark-markov:0` (it writes OUT/records/NAME.json)")
+    return records
+
+
+def check_one_protocol(records: list[dict]) -> dict:
+    """The protocol every record shares, or one line naming the records and the settings that differ."""
+    first = records[0]
+    for rec in records[1:]:
+        if rec["protocol_key"] != first["protocol_key"]:
+            a, b = _flat(first["protocol"]), _flat(rec["protocol"])
+            diff = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            raise UserError(f"{rec['_path']} was measured under another protocol than {first['_path']} "
+                            f"({'; '.join(diff[:4]) or 'keys differ'}): assemble records of one protocol "
+                            "(move the others to another folder)")
+    return first["protocol"]
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def totals(part: dict, domain: str) -> tuple[torch.Tensor, torch.Tensor]:
+    t = part["totals"][domain]
+    return torch.tensor(t["tokens"], dtype=torch.float64), torch.tensor(t["rounds"], dtype=torch.float64)
