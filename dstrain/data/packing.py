@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dstrain.data.anchors import IGNORE, block_labels
+from dstrain.devices import on_cuda
 from dstrain.models.attention import BlockGroups, FlexBlocks, KeyGroups, _rounded
 
 
@@ -64,7 +65,7 @@ class PackedBlocks:
         device = torch.device(device)
         if self.block_tokens.device == device:
             return self
-        pin = device.type == "cuda" and self.block_tokens.device.type == "cpu"
+        pin = on_cuda(device) and self.block_tokens.device.type == "cpu"
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return (t.pin_memory() if pin else t).to(device, non_blocking=True)

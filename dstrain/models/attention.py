@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dstrain.devices import on_cuda
+
 
 @dataclass
 class _Bucket:
@@ -225,7 +227,7 @@ def _flex_fn(device: torch.device):
     (8) dynamo would run this eagerly, the dense kernel writing the whole score matrix."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
+    if not on_cuda(device):
         return flex_attention
     if "cuda" not in _FLEX:
         _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)

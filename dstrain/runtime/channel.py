@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks
+from dstrain.devices import on_cuda
 
 HEADER_WORDS = 16
 VERSION = 1
@@ -109,7 +110,7 @@ class Sender:
 
     def _retire(self, works: list) -> None:
         for work, t in works:
-            if t.is_cuda:  # NCCL: wait() would only order the stream; poll the send's own completion (its CUDA event)
+            if on_cuda(t):  # NCCL: wait() would only order the stream; poll the send's own completion (its CUDA event)
                 while not work.is_completed():
                     time.sleep(1e-4)
             else:  # gloo: wait() blocks until the send is done (its is_completed only turns true inside wait())
@@ -207,7 +208,7 @@ class Receiver:
             dist.recv(t, src)
             self.traffic.received += _nbytes(t)
             return t
-        t = torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+        t = torch.empty(shape, dtype=dtype, pin_memory=on_cuda(self.device))
         dist.recv(t, src, group=self.host_group)
         self.traffic.received += _nbytes(t)
         return t.to(self.device, non_blocking=True)  # pinned: an async copy, ordered before the step that reads it

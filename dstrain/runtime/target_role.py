@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from dstrain.devices import on_cuda
 from dstrain.runtime import preemption
 from dstrain.runtime.channel import Sender, announce_loaded, needed_rows, post_resume
 from dstrain.runtime.watchdog import progress
@@ -39,7 +40,7 @@ def row_coords(lengths: list[int], rows: list[torch.Tensor], device: torch.devic
     sample = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
     position = torch.cat([torch.arange(n) for n in lengths])
     both = torch.cat([torch.stack([sample[r], position[r]]) for r in rows], 1)
-    if device.type == "cuda":
+    if on_cuda(device):
         both = both.pin_memory()
     return list(both.to(device, non_blocking=True).split([len(r) for r in rows], 1))
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from dstrain.devices import on_cuda
+
 
 def fused_loss(mode: str, device: torch.device) -> bool:
-    return mode in ("loss", "step") or (mode == "auto" and device.type == "cuda")
+    return mode in ("loss", "step") or (mode == "auto" and on_cuda(device))
 
 
 def compile_drafter(drafter: torch.nn.Module, mode: str) -> bool:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dstrain.data.anchors import IGNORE
+from dstrain.devices import on_cuda
 
 
 _LOWP = (torch.bfloat16, torch.float16)
@@ -39,7 +40,7 @@ _MM_OUT_FP32 = {"ok": True}  # torch.mm(bf16, bf16, out_dtype=float32) works her
 def _lowp_gemms(*tensors) -> bool:
     """Run the vocabulary GEMMs on 16-bit operands with fp32 output: all on CUDA, one 16-bit dtype."""
     real = [t for t in tensors if t is not None]
-    return (_MM_OUT_FP32["ok"] and all(t.is_cuda for t in real) and real[0].dtype in _LOWP
+    return (_MM_OUT_FP32["ok"] and all(on_cuda(t) for t in real) and real[0].dtype in _LOWP
             and all(t.dtype == real[0].dtype for t in real))
 
 
@@ -74,7 +75,7 @@ def _chunk_rows(n: int, vocab: int, budget_mb: float, min_rows: int = 256) -> in
 
 def _softmax(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """softmax over the last dimension into `out` (a buffer, not x: the kernel's aliasing is not promised)."""
-    if x.is_cuda:
+    if on_cuda(x):
         return torch.softmax(x, dim=-1)
     return torch.ops.aten._softmax.out(x, -1, False, out=out)
 
@@ -162,7 +163,7 @@ def default_chunk_rows(n: int, vocab: int, device, budget_mb: float | None = Non
     """vocab_loss's rows per chunk when not given: a memory budget of 96 MB on the CPU, an eighth of the free
     memory on a GPU (asking for it waits for the device: call it before the step)."""
     if budget_mb is None:
-        budget_mb = _free_cuda_mb(device) / 8 if torch.device(device).type == "cuda" else 96.0
+        budget_mb = _free_cuda_mb(device) / 8 if on_cuda(device) else 96.0
     return _chunk_rows(n, vocab, budget_mb)
 
 

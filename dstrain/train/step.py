@@ -14,6 +14,7 @@ import torch
 from dstrain.data.anchors import anchor_generator, anchor_slots
 from dstrain.data.loader import Sample
 from dstrain.data.packing import PackedBlocks, pack_blocks
+from dstrain.devices import on_cuda
 from dstrain.models.attention import FlexBlocks
 from dstrain.models.heads import MarkovHead
 from dstrain.train.losses import drafter_loss_sums, plan_vocab_chunks, position_weights, vocab_loss
@@ -71,7 +72,7 @@ def target_device(target) -> torch.device:
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host batch to the target's device without blocking the host (pinned memory on a GPU, as PackedBlocks.to)."""
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+    return (t.pin_memory() if on_cuda(device) else t).to(device, non_blocking=True)
 
 
 @torch.no_grad()
@@ -139,7 +140,7 @@ def pack_step(recipe, samples: list[Sample], step: int, vocab: int | None = None
     d = recipe.drafter
     packed = pack_samples(samples, d.block_size, recipe.anchors.per_sequence, d.sliding_window, recipe.run.seed, step,
                           slots=d.block_size + (0 if d.sample_from_anchor else 1),
-                          flex=torch.device(device).type == "cuda" and d.sliding_window is None,
+                          flex=on_cuda(device) and d.sliding_window is None,
                           max_length=recipe.data.max_length)
     return packed if vocab is None else plan_vocab_chunks(packed, vocab, device)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dstrain.devices import on_cuda
 from dstrain.models.contract import spec_from_config
 from dstrain.models.registry import build_drafter
 from dstrain.monitor import Monitor, peak_memory_mb
@@ -241,7 +242,7 @@ class Trainer:
             for m, load in zip(moe, self.expert_load):
                 m.update_route_bias(load)
         # the token count is host data: a pinned, non-blocking copy joins the one all-reduce
-        host = torch.tensor([float(tokens)], pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        host = torch.tensor([float(tokens)], pin_memory=on_cuda(self.device)).to(self.device, non_blocking=True)
         stats = _all_reduce(torch.cat([acc, host, pos_acc, pos_n]), self.group)
         out = {"stats": stats, "grad_norm": grad_norm, "positions": stats[5 + gamma :].sum(), "tokens": stats[4]}
         if bins is not None:

@@ -1,0 +1,194 @@
+"""The meta-device CUDA check: training-path code run on `meta` with its CUDA branches taken, every host read recorded
+with the dstrain file:line that made it. Used by tests/test_host_reads.py and `python tools/host_reads.py`.
+
+On `meta` nothing is computed, so a host read cannot hide: a value the host would wait for does not exist. What counts:
+  scalar    .item(), float(), int(), bool(), `if t:` on a device tensor
+  shape     ops whose output shape depends on values: nonzero, unique, masked_select, boolean-mask indexing,
+            repeat_interleave without output_size, bincount
+  to-host   .cpu(), .tolist(), .numpy(), .to("cpu") of a device tensor
+  host-in   a host tensor (not 0-d) fed to a device op: CUDA copies it over and the host waits (Python-list
+            indexing, torch.tensor([...]) mixed in, CPU index tensors)
+  blocking  a blocking host-to-device copy (.to(device) without non_blocking=True)
+Each is recorded, answered with a stand-in (1 for a scalar, an upper-bound shape, zeros on the host) and the run goes
+on, so one check lists them all.
+
+CUDA branches: the product asks one predicate (dstrain.devices.on_cuda); `cuda_branches()` makes it answer yes for
+`meta` and stands in for what those branches call that needs a GPU (pinned memory, torch.compile — compiled kernels
+are the GPU session's to run — the free-memory query). Patches live here only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+ROOT = Path(__file__).resolve().parents[2]
+_SHAPE = {"nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
+          "masked_select", "bincount", "is_nonzero"}
+
+
+def _site() -> str:
+    """file:line (function) of the innermost frame in dstrain/ or tools/ (not this module)."""
+    f = sys._getframe(2)
+    here = Path(__file__).resolve()
+    while f is not None:
+        path = Path(f.f_code.co_filename)
+        try:
+            rel = path.resolve().relative_to(ROOT)
+        except ValueError:
+            f = f.f_back
+            continue
+        if path.resolve() != here and rel.parts[0] in ("dstrain", "tools", "tests"):
+            return f"{rel}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "outside dstrain"
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+
+
+def _to_meta(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.to("meta") if tree.device.type == "cpu" else tree
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_meta(x) for x in tree)
+    return tree
+
+
+class HostReads(TorchDispatchMode):
+    """Records every host read of meta tensors (see the module's docstring) as (kind, op, site)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: Counter = Counter()
+
+    def _read(self, kind: str, what: str) -> None:
+        self.reads[(kind, what, _site())] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._overloadpacket.__name__
+        flat = list(_tensors((args, kwargs)))
+        on_meta = [t for t in flat if t.device.type == "meta"]
+        if not on_meta:
+            if func is aten._to_copy.default and str(kwargs.get("device")) == "meta":
+                if not kwargs.get("non_blocking", False) and args[0].dim() > 0:
+                    self._read("blocking", "host-to-device copy without non_blocking")
+            return func(*args, **kwargs)
+        if func is aten._local_scalar_dense.default:
+            self._read("scalar", ".item() / float() / bool()")
+            return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
+        if func is aten._to_copy.default and str(kwargs.get("device")) == "cpu":
+            self._read("to-host", ".cpu() / .tolist() / .to('cpu')")
+            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        if name in _SHAPE:
+            self._read("shape", name)
+            x = args[0]
+            if name == "nonzero":
+                return torch.empty((x.numel(), x.dim()), dtype=torch.long, device="meta")
+            return torch.empty((x.numel(),), dtype=x.dtype, device="meta")
+        if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 4:
+            self._read("shape", "repeat_interleave without output_size")
+            return torch.empty((args[0].numel(),), dtype=torch.long, device="meta")
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
+                t.dtype == torch.bool for t in _tensors(args[1])):
+            self._read("shape", "boolean-mask indexing")
+            mask = next(t for t in _tensors(args[1]) if t.dtype == torch.bool)
+            if name == "index":
+                return torch.empty((mask.numel(), *args[0].shape[mask.dim():]), dtype=args[0].dtype, device="meta")
+            return args[0]
+        host = [t for t in flat if t.device.type == "cpu" and t.dim() > 0]
+        if host:
+            self._read("host-in", f"host tensor into {name}")
+            args, kwargs = _to_meta(args), {k: _to_meta(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    # A Python list as an index becomes an index tensor inside torch's argument parsing, with no op dispatched for the
+    # copy (on CUDA a host-to-device copy): seen at the Python level instead
+    def __enter__(self):
+        self._getitem, self._setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+        mode = self
+
+        def listed(index) -> bool:
+            parts = index if isinstance(index, tuple) else (index,)
+            return any(isinstance(p, list) for p in parts)
+
+        def getitem(t, index):
+            if t.device.type == "meta" and listed(index):
+                mode._read("host-in", "Python list as an index")
+            return mode._getitem(t, index)
+
+        def setitem(t, index, value):
+            if t.device.type == "meta" and listed(index):
+                mode._read("host-in", "Python list as an index")
+            return mode._setitem(t, index, value)
+
+        torch.Tensor.__getitem__, torch.Tensor.__setitem__ = getitem, setitem
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.__getitem__, torch.Tensor.__setitem__ = self._getitem, self._setitem
+        return super().__exit__(*exc)
+
+    def report(self) -> list[dict]:
+        return [{"kind": k, "what": w, "site": s, "count": n} for (k, w, s), n in sorted(self.reads.items())]
+
+
+@contextlib.contextmanager
+def cuda_branches(device_type: str = "meta"):
+    """The product's CUDA branches taken for tensors of `device_type`, with stand-ins for the GPU-only calls they make."""
+    import torch.nn.attention.flex_attention as flex_module
+    import torch.utils._foreach_utils as foreach_utils
+
+    from dstrain import devices
+    from dstrain.models import attention
+    from dstrain.train import losses
+
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()  # torch's device context caches its factory functions by identity: before they are wrapped
+    saved = {"types": set(devices.CUDA_TYPES), "pin": torch.Tensor.pin_memory, "compile": torch.compile,
+             "free": losses._free_cuda_mb, "empty": torch.empty, "tensor": torch.tensor,
+             "foreach": foreach_utils._get_foreach_kernels_supported_devices, "flex": flex_module.flex_attention, "flex_cache": dict(attention._FLEX)}
+
+    def flex_stand_in(q, k, v, block_mask=None, scale=None, enable_gqa=False, **kw):
+        """flex_attention refuses meta tensors; on CUDA it is a compiled kernel (no host reads of its own, the GPU
+        session runs it). The BlockMask it is handed was built by the product code, on meta, above this call."""
+        assert block_mask is not None and q.shape[-1] == k.shape[-1]
+        return q[..., :1] * v.mean(-2, keepdim=True).mean(1, keepdim=True)
+    devices.CUDA_TYPES.add(device_type)
+    torch.Tensor.pin_memory = lambda self, *a, **k: self  # pinned memory needs a GPU; on meta it changes nothing
+    torch.compile = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)
+    losses._free_cuda_mb = lambda device: 80 * 1024.0  # an H100-class free memory for the chunk budget
+    flex_module.flex_attention = flex_stand_in
+    foreach_utils._get_foreach_kernels_supported_devices = lambda: [*saved["foreach"](), device_type]  # as on CUDA
+    torch.empty = lambda *a, pin_memory=False, **k: saved["empty"](*a, **k)  # pinned host memory needs a GPU
+    torch.tensor = lambda *a, pin_memory=False, **k: saved["tensor"](*a, **k)
+    attention._FLEX.clear()
+    try:
+        yield
+    finally:
+        devices.CUDA_TYPES.clear()
+        devices.CUDA_TYPES.update(saved["types"])
+        torch.Tensor.pin_memory = saved["pin"]
+        torch.compile = saved["compile"]
+        losses._free_cuda_mb = saved["free"]
+        flex_module.flex_attention = saved["flex"]
+        torch.empty, torch.tensor = saved["empty"], saved["tensor"]
+        foreach_utils._get_foreach_kernels_supported_devices = saved["foreach"]
+        attention._FLEX.clear()
+        attention._FLEX.update(saved["flex_cache"])

@@ -1,0 +1,48 @@
+"""The meta-device CUDA check's report: every drafter configuration's step, Trainer.train_step and the channel's row
+handling run on `meta` with the CUDA branches taken (dstrain/testing/host_reads.py); one line each with its host
+reads, and every read's kind and dstrain file:line. Exits 1 when any configuration reads from the host.
+
+    python tools/host_reads.py                 # the table
+    python tools/host_reads.py --json out.json # and the reads as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="also write every configuration's reads here (default: none)")
+    args = ap.parse_args(argv)
+    from dstrain.testing import meta_steps as M
+
+    checks = [(f"drafter step  {c.name}", lambda c=c: M.drafter_step(c)) for c in M.drafter_configs()]
+    checks += [(f"trainer step  {c.name}", lambda c=c: M.trainer_step(c)) for c in M.trainer_configs()]
+    checks.append(("channel rows  target side and drafter side", M.channel_rows))
+    out, width = {}, max(len(name) for name, _ in checks)
+    for name, run in checks:
+        t0 = time.perf_counter()
+        reads = run().report()
+        out[name] = reads
+        total = sum(r["count"] for r in reads)
+        print(f"{name:<{width}}  {total:>3} host reads  ({time.perf_counter() - t0:.1f} s)")
+        for r in reads:
+            print(f"    {r['count']} x {r['kind']:<8} {r['what']} at {r['site']}")
+    bad = sum(1 for v in out.values() if v)
+    print(f"{len(checks)} configurations on meta with the CUDA branches taken: "
+          + ("no host reads" if not bad else f"{bad} read from the host"))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
