@@ -3,6 +3,7 @@ Trainer.train_step and the channel's row handling run on `meta` with the CUDA br
 the host; host reads put into the step on purpose are each caught, with their line."""
 
 import inspect
+import json
 
 import torch
 
@@ -83,3 +84,31 @@ def test_the_old_rope_defect_is_caught(monkeypatch):
     v4_cfg = next(c for c in M.drafter_configs() if c.backbone == "v4")
     sites = {r["site"].split(" ")[0] for r in M.drafter_step(v4_cfg).report() if r["kind"] == "host-in"}
     assert any(s.startswith("dstrain/blocks/v4.py:") for s in sites), sites
+
+
+def _meta_targets(*args):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    return subprocess.run([sys.executable, "-m", "dstrain.testing.meta_targets", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_megatron_targets_run_on_meta_as_on_cuda(tmp_path):
+    """A GPT family (Qwen3-MoE), DeepSeek-V3 and V4 built on "cuda:0" (meta) through megatron-core in bf16: the forward
+    takes megatron's CUDA paths (the RNG tracker's fork included) and dstrain's code in it reads nothing from the host;
+    megatron's MoE token dispatch reads split sizes on the host by design, listed as its own."""
+    out = tmp_path / "targets.json"
+    proc = _meta_targets("--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["family"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {"qwen3_moe", "deepseek_v3", "deepseek_v4"}
+    for fam, r in results.items():
+        assert r["params_on"] == ["meta"] and r["output_on"] == "meta" and r["captured"][:3] == [2, 24, 3], r
+        assert r["reads"] == [], (fam, r["reads"])
+        assert r["megatron_reads"] and all(m["site"].startswith("megatron/core/transformer/moe/") for m in r["megatron_reads"])
+    # before issue 38 nothing seeded megatron's CUDA RNG tracker: every forward on CUDA raised
+    unseeded = _meta_targets("--families", "qwen3_moe", "--unseeded")
+    assert unseeded.returncode != 0 and "cuda rng state model-parallel-rng is not added" in unseeded.stderr

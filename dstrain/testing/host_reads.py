@@ -33,21 +33,39 @@ _SHAPE = {"nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive", 
           "masked_select", "bincount", "is_nonzero"}
 
 
-def _site() -> str:
-    """file:line (function) of the innermost frame in dstrain/ or tools/ (not this module)."""
-    f = sys._getframe(2)
-    here = Path(__file__).resolve()
+class KnownHostRead(Exception):
+    """Raised at a host read inside a library region named as known (megatron's MoE token dispatch): recorded, and
+    the region's caller stands in for the rest of it."""
+
+
+def _frames():
+    f = sys._getframe(3)
     while f is not None:
-        path = Path(f.f_code.co_filename)
-        try:
-            rel = path.resolve().relative_to(ROOT)
-        except ValueError:
-            f = f.f_back
-            continue
-        if path.resolve() != here and rel.parts[0] in ("dstrain", "tools", "tests"):
-            return f"{rel}:{f.f_lineno} ({f.f_code.co_name})"
+        yield f
         f = f.f_back
+
+
+def _site() -> str:
+    """file:line (function) of the innermost frame in dstrain/, tools/ or tests/ (not the harness, dstrain/testing)."""
+    for f in _frames():
+        try:
+            rel = Path(f.f_code.co_filename).resolve().relative_to(ROOT)
+        except ValueError:
+            continue
+        if rel.parts[:2] == ("dstrain", "testing"):  # the harness itself
+            continue
+        if rel.parts[0] in ("dstrain", "tools", "tests"):
+            return f"{rel}:{f.f_lineno} ({f.f_code.co_name})"
     return "outside dstrain"
+
+
+def _library_site(marker: str) -> str | None:
+    """file:line of the innermost frame whose path contains `marker` (e.g. 'megatron/core/transformer/moe')."""
+    for f in _frames():
+        name = f.f_code.co_filename
+        if marker in name:
+            return f"{name[name.index(marker.split('/')[0]):]}:{f.f_lineno} ({f.f_code.co_name})"
+    return None
 
 
 def _tensors(tree):
@@ -72,11 +90,20 @@ def _to_meta(tree):
 class HostReads(TorchDispatchMode):
     """Records every host read of meta tensors (see the module's docstring) as (kind, op, site)."""
 
-    def __init__(self):
+    def __init__(self, known: tuple[str, ...] = ()):
+        """`known`: path markers of library code whose host reads are its own (listed apart; the first one in such a
+        region raises KnownHostRead so the caller can stand in for the rest)."""
         super().__init__()
         self.reads: Counter = Counter()
+        self.known_reads: Counter = Counter()
+        self.known = known
 
     def _read(self, kind: str, what: str) -> None:
+        for marker in self.known:
+            where = _library_site(marker)
+            if where is not None:
+                self.known_reads[(kind, what, where)] += 1
+                raise KnownHostRead(where)
         self.reads[(kind, what, _site())] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -146,6 +173,9 @@ class HostReads(TorchDispatchMode):
 
     def report(self) -> list[dict]:
         return [{"kind": k, "what": w, "site": s, "count": n} for (k, w, s), n in sorted(self.reads.items())]
+
+    def known_report(self) -> list[dict]:
+        return [{"kind": k, "what": w, "site": s, "count": n} for (k, w, s), n in sorted(self.known_reads.items())]
 
 
 @contextlib.contextmanager
