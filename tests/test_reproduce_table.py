@@ -155,10 +155,18 @@ def test_reproduce_table_end_to_end_and_resume(tiny_world):
     p1 = res["position1"]["mtp"]
     assert set(res["position1"]) == {"mtp"} and p1["lo"] <= p1["diff"] <= p1["hi"]
     assert p1["diff"] == pytest.approx(p1["acceptance"] - p1["reference"])
-    vs = res["against_dspark"]["mtp"]  # one comparison: the Bonferroni interval is the 95 % one
-    assert set(res["against_dspark"]) == {"mtp"} and vs["comparisons"] == 1 and vs["ci95"] == pytest.approx(vs["corrected"])
+    # one rule for the table: 3 neighbour pairs (one per benchmark), MTP-1 against DSpark, position 1 against DSpark,
+    # every interval Bonferroni-corrected over those 5
+    assert res["comparisons"] == 5 and res["level"] == pytest.approx(0.99) and p1["level"] == pytest.approx(0.99)
+    vs = res["against_dspark"]["mtp"]
+    assert set(res["against_dspark"]) == {"mtp"} and vs["level"] == pytest.approx(0.99)
+    assert vs["corrected"][0] <= vs["ci95"][0] <= vs["ci95"][1] <= vs["corrected"][1]  # wider than the uncorrected
     assert vs["diff"] == pytest.approx(fams["mtp"]["macro"]["tau"] - fams["dspark-markov"]["macro"]["tau"])
     assert vs["ci95"][0] <= vs["diff"] <= vs["ci95"][1]
+    for d, sep in res["separation"].items():
+        pair = sep["pairs"][0]
+        assert pair["separated"] == (pair["difference"]["lo"] > 0 or pair["difference"]["hi"] < 0)
+        assert sep["separated"] == pair["separated"]
     md = (out / "results.md").read_text()
     assert "Position 1 against DSpark" in md and "Every family against DSpark (Markov)" in md
     assert "DSpark (Markov)" in md and "MTP-1" in md and "GSM8K τ [95% CI]" in md and "reproduce_table.py" in md

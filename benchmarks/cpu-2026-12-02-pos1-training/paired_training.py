@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Position-1 ablations paired by training step: each family's logged train/acceptance@1 (and τ̂) minus DSpark
-(Markov)'s at the same step, over thirds of training, with a 95 % bootstrap interval over the logged steps.
+(Markov)'s at the same step, over thirds of training, with a 95 % bootstrap interval over the logged steps. That
+interval measures training-batch noise (which logged batches fell in the third), not generalisation and not seed
+variance: it describes these runs' logs, it is no estimate of an effect on held-out text.
 
 The families trained on the same stream (same samples and anchors at every step), so the step pairs them. Reads
 `<runs>/<family>/metrics.jsonl` (dstrain table's run folders) or, with --csv, the extract kept beside this script.
@@ -41,7 +43,7 @@ def main() -> None:
     else:
         rows = read_csv(args.csv, families)
     ref = rows[families[0]]
-    print("| family | steps | acceptance@1 | DSpark (Markov) | paired Δ@1 [95 %] | Δ@2 | Δτ̂ |")
+    print("| family | steps | acceptance@1 | DSpark (Markov) | paired Δ@1 [95 % over training steps] | Δ@2 | Δτ̂ |")
     print("|---|---|---|---|---|---|---|")
     for f in families[1:]:
         steps = sorted(s for s in ref if s in rows[f])
@@ -58,7 +60,7 @@ def main() -> None:
 
     if args.replicate:
         other = read_csv(args.replicate, families)
-        print("\n| family | last third | this run acceptance@1 | other run | this − other [95 %] |\n|---|---|---|---|---|")
+        print("\n| family | last third | this run acceptance@1 | other run | this − other [95 % over training steps] |\n|---|---|---|---|---|")
         for f in (f for f in families if other[f]):
             steps = sorted(s for s in rows[f] if s in other[f])
             sel = steps[2 * len(steps) // 3:]

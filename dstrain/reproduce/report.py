@@ -42,14 +42,29 @@ def assemble(cfg, data: dict, plan: dict, trains: dict, curves: dict, evals: dic
                "evaluate": sum(e["seconds"] for e in evals.values())}
     return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()}, "commands": commands,
             "data": data, "budget": plan, "domains": domains, "families": fams,
-            "separation": separation(evals, fams, domains, n, seed), "position1": position1(evals, domains, n, seed),
-            "against_dspark": against_reference(evals, domains, n, seed),
+            **compare(evals, fams, domains, n, seed),
             "wall_seconds": wall_s, "stage_seconds": stage_s}
 
 
-def position1(evals: dict, domains: list[str], samples: int, seed: int, reference: str = "dspark-markov") -> dict:
+def compare(evals: dict, fams: dict, domains: list[str], samples: int, seed: int, reference: str = "dspark-markov") -> dict:
+    """Every comparison the table makes, under one rule: a paired difference over prompts (the same prompts and draws
+    for both sides), its interval Bonferroni-corrected for all the comparisons in the table — neighbours in each
+    benchmark's τ order, each family against DSpark, each family's position-1 acceptance against DSpark's. "Separated",
+    "leads" and "resolved" mean that corrected interval excludes 0."""
+    others = [f for f in evals if f != reference] if reference in evals else []
+    with_pos1 = [f for f in others if all("pos1_reached" in evals[x]["totals"][d] for x in (f, reference) for d in domains)]
+    count = len(domains) * max(len(fams) - 1, 0) + len(others) + len(with_pos1)
+    level = 1 - 0.05 / max(count, 1)
+    return {"comparisons": count, "level": level,
+            "separation": separation(evals, fams, domains, samples, seed, level),
+            "position1": position1(evals, domains, samples, seed, reference, level),
+            "against_dspark": against_reference(evals, domains, samples, seed, reference, level)}
+
+
+def position1(evals: dict, domains: list[str], samples: int, seed: int, reference: str = "dspark-markov",
+              level: float = 0.95) -> dict:
     """Each family's position-1 acceptance minus DSpark (Markov)'s, paired on the same prompts (all benchmarks pooled:
-    accepted / reached summed per prompt), with its 95 % paired-bootstrap interval — how the position-1 ablations
+    accepted / reached summed per prompt), with its paired-bootstrap interval at `level` — how the position-1 ablations
     (dspark-anchor-context, dspark-conf-0.3, dspark-no-conf, dspark-rank-64, dflash-anchor) and the other families
     compare with DSpark."""
     if reference not in evals or any("pos1_reached" not in evals[reference]["totals"][d] for d in domains):
@@ -65,20 +80,20 @@ def position1(evals: dict, domains: list[str], samples: int, seed: int, referenc
         if fam == reference or any("pos1_reached" not in ev["totals"][d] for d in domains):
             continue
         a, b = pooled(ev), pooled(evals[reference])
-        diff = paired_difference(a, b, samples, seed=seed)
-        out[fam] = {**diff, "acceptance": float(a[0].sum() / a[1].sum().clamp(min=1)),
+        diff = paired_difference(a, b, samples, level, seed=seed)
+        out[fam] = {**diff, "level": level, "acceptance": float(a[0].sum() / a[1].sum().clamp(min=1)),
                     "reference": float(b[0].sum() / b[1].sum().clamp(min=1)), "excludes_0": diff["lo"] > 0 or diff["hi"] < 0}
     return out
 
 
-def against_reference(evals: dict, domains: list[str], samples: int, seed: int, reference: str = "dspark-markov") -> dict:
+def against_reference(evals: dict, domains: list[str], samples: int, seed: int, reference: str = "dspark-markov",
+                      level: float = 0.95) -> dict:
     """Every family's macro τ minus DSpark (Markov)'s on the same prompts (prompts resampled inside each benchmark with
-    the same draws for both), at 95 % and Bonferroni-corrected for the number of comparisons. One training seed: the
-    seed spread is not in these intervals (`--preset paper` trains two and reports it)."""
+    the same draws for both), uncorrected 95 % beside the corrected `level`. One training seed: the seed spread is not
+    in these intervals (`--preset paper` trains three and reports it)."""
     if reference not in evals:
         return {}
     others = [f for f in evals if f != reference]
-    level = 1 - 0.05 / max(len(others), 1)
     ref = [{d: _totals(evals[reference], d) for d in domains}]
     out = {}
     for fam in others:
@@ -86,23 +101,24 @@ def against_reference(evals: dict, domains: list[str], samples: int, seed: int, 
         raw = pooled_paired_difference(runs, ref, samples, 0.95, seed)
         corrected = pooled_paired_difference(runs, ref, samples, level, seed)
         out[fam] = {"diff": raw["diff"], "ci95": [raw["lo"], raw["hi"]], "corrected": [corrected["lo"], corrected["hi"]],
-                    "level": level, "comparisons": len(others), "resolved": corrected["lo"] > 0 or corrected["hi"] < 0}
+                    "level": level, "resolved": corrected["lo"] > 0 or corrected["hi"] < 0}
     return out
 
 
-def separation(evals: dict, fams: dict, domains: list[str], samples: int, seed: int) -> dict:
-    """Per domain: families ordered by τ; for each neighbouring pair whether their intervals overlap and the
-    paired-bootstrap interval of the difference (same prompts, same draws)."""
+def separation(evals: dict, fams: dict, domains: list[str], samples: int, seed: int, level: float = 0.95) -> dict:
+    """Per domain: families ordered by τ; for each neighbouring pair the paired-bootstrap interval of the difference at
+    `level` (same prompts, same draws): the pair is separated when it excludes 0. Whether the marginal intervals
+    overlap is kept for reference only."""
     out = {}
     for d in domains:
         order = sorted(fams, key=lambda f: -fams[f]["tau"][d]["tau"])
         pairs = []
         for a, b in zip(order, order[1:]):
             ia, ib = fams[a]["tau"][d], fams[b]["tau"][d]
-            diff = paired_difference(_totals(evals[a], d), _totals(evals[b], d), samples, seed=seed)
+            diff = paired_difference(_totals(evals[a], d), _totals(evals[b], d), samples, level, seed=seed)
             pairs.append({"higher": a, "lower": b, "intervals_overlap": ia["lo"] <= ib["hi"], "difference": diff,
-                          "difference_excludes_0": diff["lo"] > 0 or diff["hi"] < 0})
-        out[d] = {"order": order, "pairs": pairs, "separated": not any(p["intervals_overlap"] for p in pairs)}
+                          "separated": diff["lo"] > 0 or diff["hi"] < 0})
+        out[d] = {"order": order, "pairs": pairs, "separated": all(p["separated"] for p in pairs)}
     return out
 
 
@@ -136,7 +152,8 @@ def curve_notes(res: dict) -> list[str]:
         shown = " → ".join(f"{p['macro_tau']:.2f}" + (f" [{p['lo']:.2f}, {p['hi']:.2f}]" if "lo" in p else "") +
                            f"@{p['step']}" for p in pts)
         lines.append(f"- {f['label']}: held-out macro τ {shown}; training τ̂ {f['tau_hat_end']:.2f} at the end, "
-                     f"{trend:+.3f} over the last quarter of logged steps")
+                     f"{trend:+.3f} over the last quarter of logged steps (training batches: their noise, not "
+                     "generalisation, and no interval — read as a direction only)")
     data = res["data"]
     lines.append("")
     if rising:
@@ -147,8 +164,8 @@ def curve_notes(res: dict) -> list[str]:
                      "more data would.")
     if unresolved:
         lines.append(f"No held-out change resolved between the last two points at the curve's size: {', '.join(unresolved)}. "
-                     "Where training τ̂ still rises, more steps would still move them; where it is flat, more data (the "
-                     f"corpus had {data['records']} of {data['prompts']} conversations answered, {data['train_conversations']} "
+                     "Whether more steps would move them is not established here (training τ̂ is no held-out measure); "
+                     f"more data (the corpus had {data['records']} of {data['prompts']} conversations answered, {data['train_conversations']} "
                      "trained on) or capacity is what would.")
     return lines
 
@@ -166,10 +183,10 @@ def markdown(res: dict) -> str:
     sep_lines = []
     for d in domains:
         s = res["separation"][d]
-        pairs = "; ".join(f"{fams[p['higher']]['label']} vs {fams[p['lower']]['label']}: intervals "
-                          f"{'overlap' if p['intervals_overlap'] else 'disjoint'}, paired Δτ {p['difference']['diff']:+.2f} "
-                          f"[{p['difference']['lo']:+.2f}, {p['difference']['hi']:+.2f}]" for p in s["pairs"])
-        sep_lines.append(f"- {BENCH[d]}: {'separated' if s['separated'] else 'NOT separated'} by their intervals. {pairs}")
+        pairs = "; ".join(f"{fams[p['higher']]['label']} − {fams[p['lower']]['label']}: paired Δτ "
+                          f"{p['difference']['diff']:+.2f} [{p['difference']['lo']:+.2f}, {p['difference']['hi']:+.2f}]"
+                          f" ({'separated' if p['separated'] else 'not separated'})" for p in s["pairs"])
+        sep_lines.append(f"- {BENCH[d]}: {'every neighbour separated' if s['separated'] else 'NOT all separated'}. {pairs}")
     every = all(res["separation"][d]["separated"] for d in domains)
     gamma = max(f["gamma"] for f in fams.values())
     acc = ["| family | benchmark | " + " | ".join(f"k={k}" for k in range(1, gamma + 1)) + " |",
@@ -193,19 +210,23 @@ def markdown(res: dict) -> str:
         f"pooled over a benchmark's rounds; intervals: 95 % percentile bootstrap over prompts ({cfg['bootstrap_samples']} "
         f"resamples, seed {cfg['seed']}; macro: stratified by benchmark).", "", *rows, "",
         "## Are the families separated?", "",
-        ("Every benchmark's neighbours in the τ order have disjoint intervals." if every else
-         "**The families are not all separated by their 95 % intervals** — the order of overlapping neighbours is not "
-         "established by this evaluation."), "", *sep_lines, "",
+        f"One rule for every comparison below: a paired difference over prompts (the same prompts and draws for both "
+        f"sides, resampled inside each benchmark), its interval Bonferroni-corrected for the {res['comparisons']} "
+        f"comparisons in this table ({100 * res['level']:.2f} % intervals); separated, leads and resolved mean that "
+        "interval excludes 0. One training seed: the seed spread is not in these intervals (`--preset paper` trains "
+        "three and reports it).", "",
+        ("Every benchmark's neighbours in the τ order are separated." if every else
+         "**The families are not all separated** — the order of unseparated neighbours is not established by this "
+         "evaluation."), "", *sep_lines, "",
         "## Every family against DSpark (Markov)", "",
-        *([f"- {fams[f]['label']}: macro τ {a['diff']:+.3f}, 95 % [{a['ci95'][0]:+.3f}, {a['ci95'][1]:+.3f}], Bonferroni "
-           f"over {a['comparisons']} ({100 * a['level']:.1f} %) [{a['corrected'][0]:+.3f}, {a['corrected'][1]:+.3f}]: "
+        *([f"- {fams[f]['label']}: macro τ {a['diff']:+.3f}, corrected [{a['corrected'][0]:+.3f}, {a['corrected'][1]:+.3f}]"
+           f" (uncorrected 95 % [{a['ci95'][0]:+.3f}, {a['ci95'][1]:+.3f}]): "
            f"{'resolved' if a['resolved'] else 'not resolved'}" for f, a in res.get("against_dspark", {}).items()]
-          or ["(needs dspark-markov in the table)"]),
-        "", "Paired on the same prompts (resampled inside each benchmark, the same draws for both families); one "
-        "training seed, so the seed spread is not in these intervals (`--preset paper` trains two and reports it).", "",
+          or ["(needs dspark-markov in the table)"]), "",
         "## Position 1 against DSpark (Markov)", "",
         *([f"- {fams[f]['label']}: {p['acceptance']:.3f} vs {p['reference']:.3f}, paired Δ {p['diff']:+.3f} "
-           f"[{p['lo']:+.3f}, {p['hi']:+.3f}] (95 %, prompts of all benchmarks){'' if p['excludes_0'] else ', includes 0'}"
+           f"[{p['lo']:+.3f}, {p['hi']:+.3f}] (corrected, prompts of all benchmarks): "
+           f"{'resolved' if p['excludes_0'] else 'not resolved'}"
            for f, p in res.get("position1", {}).items()] or ["(needs dspark-markov in the table)"]), "",
         "## Conditional acceptance per position", "",
         "Rounds that verified position k with positions 1..k−1 accepted (paper §4.3.1); acceptance.png.", "", *acc, "",
