@@ -77,7 +77,10 @@ def test_contract_gradients_and_learning(name):
     if name == "mtp":
         assert last["total"] < 0.5 * first["total"] and last["tv"] < first["tv"], (first, last)
     else:
-        assert last["tv"] < 0.85 * first["tv"], (first, last)
+        # measured after these 60 steps, 1 or 2 threads: 0.757-0.843 of the first TV (dflash 0.843, dflash-paper 0.835);
+        # thread count and machine move it by up to ~0.015 (0.853 seen once), so the bound sits ~4x that above the
+        # worst: a drafter that does not learn stays near 1.0
+        assert last["tv"] < 0.90 * first["tv"], (first, last)
 
 
 def test_teacher_forcing_uses_ground_truth_previous_tokens():

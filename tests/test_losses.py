@@ -92,6 +92,16 @@ def test_loss_sums_weights_and_detached_soft_label():
     torch.testing.assert_close(out["conf"], (w * bce).sum())
     out["conf"].backward()
     assert tv.grad is None  # the soft label is detached: the confidence loss never moves the draft distribution
+    # the total weighs each part by its own α (0.3 for the confidence loss: neither 0 nor 1, so a missing α shows)
+    for alpha_conf in (0.3, 0.0):
+        out = drafter_loss_sums(ce, tv, conf, valid, gamma_decay=2.0, alpha_ce=0.1, alpha_tv=0.9, alpha_conf=alpha_conf)
+        want = 0.1 * (w * ce).sum() + 0.9 * (w * tv).sum() + alpha_conf * (w * bce).sum()
+        torch.testing.assert_close(out["total"], want)
+    # and the vocabulary pass's own total, when given, replaces α_ce·CE + α_tv·TV only
+    given = torch.tensor(5.0)
+    out = drafter_loss_sums(ce, tv, conf, valid, gamma_decay=2.0, alpha_ce=0.1, alpha_tv=0.9, alpha_conf=0.3,
+                            vocab_total=given)
+    torch.testing.assert_close(out["total"], given + 0.3 * (w * bce).sum())
 
 
 def test_the_fused_pass_runs_eagerly_where_compiling_fails(monkeypatch):

@@ -176,3 +176,20 @@ def test_greedy_speculative_on_a_deepseek_v4_target_equals_greedy():
             for _ in range(new):
                 ids.append(int(target.lm_head(target(torch.tensor([ids])).final_hidden[0, -1]).argmax()))
         assert got == ids[len(prompt):]
+
+
+def test_scheduler_policy_verifies_what_the_scheduler_admits():
+    """LengthPolicy('scheduler') verifies the scheduler's lengths, not every draft: confident rows keep more drafts
+    than doubtful ones when the step rate falls with the batch (the losslessness test alone cannot tell, since
+    verifying everything is lossless too)."""
+    from dstrain.serving.scheduler import survival
+
+    gamma, rows = 5, 4
+    conf_logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [4.0, 4.0, 4.0, 4.0, 4.0],
+                                [-2.0, -2.0, -2.0, -2.0, -2.0], [1.0, 0.0, -1.0, -2.0, -3.0]])
+    sps = 1.0 / (1.0 + 0.5 * torch.arange(rows * (gamma + 1) + 1, dtype=torch.float64))  # steps/s falls with the batch
+    got = LengthPolicy("scheduler", sps=sps).lengths(conf_logits, gamma, rows)
+    want = schedule(survival(torch.sigmoid(conf_logits)), sps)
+    assert torch.equal(got, want)
+    assert got.min() < gamma and got[1] >= got[2] and not torch.equal(got, torch.full((rows,), gamma))
+    assert torch.equal(LengthPolicy().lengths(conf_logits, gamma, rows), torch.full((rows,), gamma))
