@@ -110,8 +110,12 @@ def test_table_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     out = tmp_path / "table"
     code, text, err = call("table", "--preset", "paper", "--dry-run", "--out", str(out))
     assert code == 0, err
-    for stage in ("train dspark-markov-s0", "train eagle3-s1", "evaluate dflash-s1"):
+    for stage in ("train dspark-markov-s0", "train eagle3-s2", "held-out dflash-s1", "benchmarks dflash-s1"):
         assert stage in text
+    code, text, err = call("table", "--preset", "paper", "--run", "eagle3:1", "--dry-run", "--out", str(out))
+    assert code == 0 and "train eagle3-s1" in text and "dspark-markov-s0" not in text and not out.exists()
+    code, _, err = call("table", "--preset", "paper", "--run", "medusa:1", "--dry-run", "--out", str(out))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "FAMILY:SEED" in err
     train_prompts = json.loads((ROOT / "corpus" / "smollm2_moe" / "manifest.json").read_text())["held_out"]["train_prompts"]
     assert f"{train_prompts} training prompts" in text and "ETA " in text and not out.exists()
     code, text, err = call("table", "--dry-run", "--families", "eagle3,dspark-rnn", "--steps", "40", "--out", str(out))
