@@ -20,6 +20,39 @@ def run_tool(*args, timeout=600, check=True, **kw):
     return proc
 
 
+def kill_job(proc, marker: str, timeout: float = 30.0) -> None:
+    """SIGKILL a torchrun job: its launcher's process group and every worker whose command line holds `marker` (torch
+    elastic starts each worker in a session of its own, so killing the launcher's group leaves them running, still
+    writing checkpoints), then wait until none is left."""
+    import signal
+    import time
+
+    def workers() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    if marker.encode() in (entry / "cmdline").read_bytes():
+                        found.append(int(entry.name))
+                except OSError:
+                    pass
+        return found
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.time() + timeout
+    while (left := workers()) and time.time() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    proc.wait(timeout=timeout)
+
+
 def free_port() -> int:
     import socket
 

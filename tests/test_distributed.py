@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port, run_tool
+from conftest import ROOT, free_port, kill_job, run_tool
 from dstrain.data.shards import synthetic_shards
 
 pytestmark = pytest.mark.distributed
@@ -136,8 +136,7 @@ def test_disaggregated_bf16_resume_after_kill_is_exact(runs, shards, tmp_path):
     deadline = time.time() + 300
     while not (ckpts / "latest").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill_job(proc, f"run.output_dir={tmp_path}")  # the workers too: they would go on writing step-4..6
     if (ckpts / "latest").read_text().strip() != "step-3":  # the job outran the kill: crash it at step 3 instead
         shutil.rmtree(ckpts / (ckpts / "latest").read_text().strip())
         (ckpts / "latest").write_text("step-3")

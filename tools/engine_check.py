@@ -42,8 +42,11 @@ DRAFTERS = {
     "dflash": [],
     "eagle3": ["drafter.type=eagle3", "drafter.num_layers=1", "drafter.sample_from_anchor=true",
                "drafter.qk_norm=false"],  # speculators' Eagle3 layer is a Llama layer (no q/k norms)
+    # vLLM serves DSpark from its V2 runner only (a GPU build: the CPU build refuses it, docs/export.md), with the
+    # Markov head; tools/gpu_session.py's dspark_vllm stage runs it
+    "dspark": ["drafter.type=dspark", "drafter.head=markov", "drafter.sample_from_anchor=true"],
 }
-METHOD = {"dflash": "dflash", "eagle3": "eagle3"}
+METHOD = {"dflash": "dflash", "eagle3": "eagle3", "dspark": "dspark"}
 MIN_POSITION_RATE = 0.10  # positions 1..4 each accepted on at least this share of rounds
 POSITIONS = 4
 

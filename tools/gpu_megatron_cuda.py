@@ -1,14 +1,15 @@
-"""The megatron_cuda stage of tools/gpu_session.sh: a megatron target on one device, checked against transformers.
+"""The megatron stages of tools/gpu_session.py: a megatron target on one device, checked against transformers.
 
     python tools/gpu_megatron_cuda.py parity --device cuda --dtype float32 --out parity_fp32.json
     python tools/gpu_megatron_cuda.py load --device cuda --size large --out load.json
     python tools/gpu_megatron_cuda.py compare COLOCATED/metrics.jsonl DISAGGREGATED/metrics.jsonl --tol 1e-5
 
-parity   a one-rank megatron target (a world of one rank: NCCL on CUDA, gloo on the CPU) for a tiny DeepSeek-V4
-         and a tiny Qwen3-MoE, built on --device through the shard-plan loader, against transformers on the same
-         device: captured layers and final pre-LM-head states. Tolerance: fp32 max |Δ| ≤ 1e-4; bf16 max |Δ| ≤
-         BF16_REL × the activation scale (max |HF|), two bf16 implementations whose roundings differ and may pick
-         a different expert where router scores tie to bf16 precision.
+parity   a one-rank megatron target (a world of one rank: NCCL on CUDA, gloo on the CPU) for a tiny DeepSeek-V4,
+         a tiny Qwen3-MoE and a tiny DeepSeek-V3 (MLA, group-limited routing, a random expert bias), built on
+         --device through the shard-plan loader, against transformers on the same device: captured layers and
+         final pre-LM-head states. Tolerance: fp32 max |Δ| ≤ 1e-4; bf16 max |Δ| ≤ BF16_REL × the activation
+         scale (max |HF|), two bf16 implementations whose roundings differ and may pick a different expert where
+         router scores tie to bf16 precision.
 load     a Qwen3-MoE checkpoint (written by a child process, so its memory is not counted) streamed into --device
          parameters; prints the loader's host buffer peak (LoadStats.host_peak: the bounded staging buffer on
          CUDA, 0 on the CPU where slices land in place) and the process's peak RSS before and after loading.
@@ -59,7 +60,23 @@ def _families() -> dict:
     from dstrain.targets.tiny_checkpoint import FAMILIES
 
     qwen = {k: v for k, v in FAMILIES["qwen3_moe"].items()}
-    return {"deepseek_v4": dict(FAMILIES["deepseek_v4"]), "qwen3_moe": qwen}
+    # V3 as tests/dist/v3_parity.py builds it: group-limited routing over 8 experts, a dense first layer, and
+    # v_head_dim unlike hidden/heads (megatron's MLA core attention must honour it)
+    v3 = {**FAMILIES["deepseek_v3"], "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
+          "first_k_dense_replace": 1, "v_head_dim": 12}
+    return {"deepseek_v4": dict(FAMILIES["deepseek_v4"]), "qwen3_moe": qwen, "deepseek_v3": v3}
+
+
+def _widen(hf) -> None:
+    """Random init is small: differences must not hide in near-zero activations. V3's expert bias made non-zero, so
+    routing differs from plain sigmoid top-k."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(3.0) if p.dim() == 2 else None
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
 
 
 def parity(args) -> int:
@@ -73,9 +90,7 @@ def parity(args) -> int:
     out, ok = {"device": str(device), "dtype": args.dtype}, True
     for fam, cfg in _families().items():
         hf = random_model(cfg, seed=7, dtype="float32")
-        with torch.no_grad():
-            for p in hf.parameters():  # widen: differences must not hide in near-zero activations
-                p.mul_(3.0) if p.dim() == 2 else None
+        _widen(hf)
         folder = tempfile.mkdtemp(prefix=f"mc-{fam}-")
         hf.save_pretrained(folder)
         ids = torch.randint(0, hf.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
