@@ -47,6 +47,12 @@ class PlainProgress:
     def close(self) -> None:
         self._line()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def progress(total: float, desc: str, unit: str, enabled: bool = True, interval: float = 30.0):
     """A bar on a terminal, plain lines elsewhere, or nothing (`enabled` False)."""

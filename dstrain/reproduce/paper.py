@@ -132,11 +132,11 @@ def train_run(cfg: S.Config, recipe, sizes: PaperSizes, data: dict, target_layer
 def estimates(sizes: PaperSizes, samples: int, runs: list[tuple[str, int]], cache_filled: bool = False
               ) -> list[tuple[str, str, float]]:
     """First-guess seconds per stage on one CPU core at SmolLM2-MoE sizes, assuming the plateau comes at two thirds of
-    the epochs; refined as stages finish. Measured for DSpark (Markov, 5 layers, block 7) on 2026-12-02
-    (benchmarks/cpu-2026-12-02-paper-partial): 0.45 s a step from cached features, 0.6 s a sample to fill the cache,
-    790 s to decode 90 held-out prompts × 64 tokens (the target's verification forwards are 61 % of it). DFlash and
-    Eagle3 steps are scaled from DSpark's by the first guesses' ratios."""
-    step_s = {"dspark-markov": 0.45, "dflash": 0.33, "eagle3": 0.18}
+    the epochs; refined as stages finish. Measured for DSpark (Markov, 5 layers, block 7) on 2026-12-03: 1.47 s a step
+    from cached features (the same at the 2026-12-02 commit: that record's 0.45 s was wrong), 1.1-2.3 s a step more
+    while it fills the cache, 108 s for the 12-prompt plateau subset, 790 s to decode 90 held-out prompts × 64 tokens.
+    DFlash and Eagle3 steps are scaled from DSpark's by the first guesses' ratios."""
+    step_s = {"dspark-markov": 1.47, "dflash": 1.08, "eagle3": 0.59}
 
     def decode_s(prompts: int, tokens: int) -> float:
         return 790.0 * prompts * tokens / (90 * 64)
@@ -145,7 +145,7 @@ def estimates(sizes: PaperSizes, samples: int, runs: list[tuple[str, int]], cach
     epochs = max(1, round(sizes.epochs * 2 / 3))
     plan = [("data", "data", 30.0)]
     for i, (fam, seed) in enumerate(runs):
-        fill = 0.0 if cache_filled or i else 0.6 * samples  # the first run on a machine fills the feature cache
+        fill = 0.0 if cache_filled or i else 1.1 * samples  # the first run on a machine fills the feature cache
         plateau = decode_s(3 * sizes.plateau_per_domain, sizes.eval_new_tokens)
         plan.append((f"train {run_name(fam, seed)}", "train", fill + epochs * (per_epoch * step_s[fam] + plateau)))
         plan.append((f"held-out {run_name(fam, seed)}", "eval", decode_s(3 * sizes.held_out_per_domain, sizes.eval_new_tokens)))

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,10 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from dstrain.errors import UserError
-from dstrain.progress import fmt_s  # noqa: F401  (S.fmt_s: the stages' times and ETAs)
+from dstrain.progress import fmt_s, progress  # fmt_s: also S.fmt_s, the stages' times and ETAs
 from dstrain.reproduce.families import FAMILIES, family_overrides, match_budget
 
 REPO = Path(__file__).resolve().parents[2]
@@ -220,15 +220,18 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
     t0 = time.perf_counter()
     log = run_dir / "train.log"
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "OMP_NUM_THREADS": str(cfg.threads)}
-    quiet = not sys.stderr.isatty()  # a log file gets a line every 30 s, not every refresh
-    with log.open("a") as fh, tqdm(total=steps, desc=f"train {family}", unit="step", dynamic_ncols=True,
-                                   mininterval=30.0 if quiet else 0.5) as bar:
+    # a terminal gets a bar; a log file a plain line every 30 s (tqdm's carriage returns never reach a log)
+    with log.open("a") as fh, progress(steps, f"train {family}", "step") as bar:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
             time.sleep(2.0)
             if _logged_step(run_dir) > bar.n:
                 bar.update(_logged_step(run_dir) - bar.n)
         bar.update(max(_logged_step(run_dir) - bar.n, 0))
+    if proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # the trainer saved a checkpoint and stopped
+        said = [line for line in log.read_text(errors="replace").splitlines() if "checkpoint step-" in line][-1:]
+        raise UserError(f"training {family} stopped by a signal (exit {proc.returncode})"
+                        f"{': ' + said[0].split('dstrain: ')[-1] if said else ''}; rerun the same command to resume")
     if proc.returncode != 0:
         tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
         raise UserError(f"training {family} failed (exit {proc.returncode}): {tail[0][:300] if tail else 'no output'}; "
