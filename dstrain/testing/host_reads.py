@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dstrain.train.step_counters import _tensors
+
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[2]
 _SHAPE = {"nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
@@ -66,17 +68,6 @@ def _library_site(marker: str) -> str | None:
         if marker in name:
             return f"{name[name.index(marker.split('/')[0]):]}:{f.f_lineno} ({f.f_code.co_name})"
     return None
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for x in tree:
-            yield from _tensors(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _tensors(x)
 
 
 def _to_meta(tree):

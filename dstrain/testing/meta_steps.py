@@ -92,17 +92,13 @@ def _samples(vocab: int, lengths=(40, 90, 17)):
     return out
 
 
-def drafter_step(cfg: StepConfig, inject=None) -> HostReads:
-    """One DraftStep (forward, loss, backward) on meta in bf16 with the CUDA branches taken; the host reads it made.
-    `inject`: a function called on the loss inside the step (a test's deliberate `.item()`)."""
+def _meta_modules(cfg: StepConfig, recipe, dtype: torch.dtype):
+    """(target spec, embedding, LM head, drafter) built on meta in `dtype`; the V4 backbone on a tiny V4 config."""
     from transformers import AutoConfig, DeepseekV4Config
 
     from dstrain.models.contract import TargetSpec
     from dstrain.models.registry import build_drafter
-    from dstrain.train.compiling import fused_loss
-    from dstrain.train.step import DraftStep, TargetFeatures, pack_step
 
-    recipe = _recipe(cfg)
     if cfg.backbone == "v4":
         tcfg = DeepseekV4Config(**_V4_TINY)
         spec = TargetSpec(tcfg.hidden_size, tcfg.vocab_size, 3, tcfg.num_attention_heads, 1, tcfg.moe_intermediate_size)
@@ -110,14 +106,25 @@ def drafter_step(cfg: StepConfig, inject=None) -> HostReads:
         tcfg = AutoConfig.for_model(**recipe.target.hf_config)
         spec = TargetSpec(tcfg.hidden_size, tcfg.vocab_size, recipe.target.num_capture or 3, tcfg.num_attention_heads,
                           tcfg.num_key_value_heads, tcfg.intermediate_size)
+    with torch.device("meta"):
+        embedding = torch.nn.Embedding(spec.vocab_size, spec.hidden_size).requires_grad_(False)
+        lm_head = torch.nn.Linear(spec.hidden_size, spec.vocab_size, bias=False).requires_grad_(False)
+        drafter = build_drafter(recipe.drafter, spec, embedding, tcfg)
+    for module in (embedding, lm_head, drafter):
+        module.to(dtype)
+    return spec, embedding, lm_head, drafter
+
+
+def drafter_step(cfg: StepConfig, inject=None) -> HostReads:
+    """One DraftStep (forward, loss, backward) on meta in bf16 with the CUDA branches taken; the host reads it made.
+    `inject`: a function called on the loss inside the step (a test's deliberate `.item()`)."""
+    from dstrain.train.compiling import fused_loss
+    from dstrain.train.step import DraftStep, TargetFeatures, pack_step
+
+    recipe = _recipe(cfg)
     meta = torch.device("meta")
     with cuda_branches("meta"):
-        with meta:
-            embedding = torch.nn.Embedding(spec.vocab_size, spec.hidden_size).requires_grad_(False)
-            lm_head = torch.nn.Linear(spec.hidden_size, spec.vocab_size, bias=False).requires_grad_(False)
-            drafter = build_drafter(recipe.drafter, spec, embedding, tcfg)
-        for module in (embedding, lm_head, drafter):
-            module.to(torch.bfloat16)
+        spec, embedding, lm_head, drafter = _meta_modules(cfg, recipe, torch.bfloat16)
         samples = _samples(spec.vocab_size)
         # the data path's host work (packing, the loss chunks' plan), then the one move to the device
         packed = pack_step(recipe, samples, 0, spec.vocab_size, meta).to(meta)
@@ -182,28 +189,16 @@ def trainer_step(cfg: StepConfig, micro_batches: int = 2) -> HostReads:
     metrics) on meta with the CUDA branches taken, over the engine stand-in above."""
     from types import SimpleNamespace
 
-    from dstrain.models.contract import TargetSpec
-    from dstrain.models.registry import build_drafter
     from dstrain.train.compiling import fused_loss
     from dstrain.train.sources import MicroBatch
     from dstrain.train.step import DraftStep, TargetFeatures, pack_step
     from dstrain.train.trainer import Trainer
 
-    from transformers import AutoConfig
-
     recipe = _recipe(cfg)
-    tcfg = AutoConfig.for_model(**recipe.target.hf_config)
-    spec = TargetSpec(tcfg.hidden_size, tcfg.vocab_size, recipe.target.num_capture or 3, tcfg.num_attention_heads,
-                      tcfg.num_key_value_heads, tcfg.intermediate_size)
     meta = torch.device("meta")
     dtype = torch.bfloat16 if recipe.deepspeed.precision == "bf16" else torch.float32
     with cuda_branches("meta"):
-        with meta:
-            embedding = torch.nn.Embedding(spec.vocab_size, spec.hidden_size).requires_grad_(False)
-            lm_head = torch.nn.Linear(spec.hidden_size, spec.vocab_size, bias=False).requires_grad_(False)
-            drafter = build_drafter(recipe.drafter, spec, embedding, tcfg)
-        for module in (embedding, lm_head, drafter):
-            module.to(dtype)
+        spec, embedding, lm_head, drafter = _meta_modules(cfg, recipe, dtype)
         micro = []
         for i in range(micro_batches):
             samples = _samples(spec.vocab_size, lengths=(40 + i, 90, 17))
