@@ -16,6 +16,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from chaos import free_port  # tools/ is on the path: gpu_session.py and its stages run from there
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny_moe.yaml"
 
@@ -250,14 +252,6 @@ def disaggregated(ctx: Ctx, res: dict) -> None:
             ctx.work / "mc_disagg/tiny-moe-dspark/metrics.jsonl", "--tol", "1e-5", "--out", path])
     finally:
         res.update(read_json(path))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------- the registry
