@@ -89,7 +89,7 @@ def test_changed_target_or_capture_layers_miss(tmp_path, tiny):
 
 
 def test_fingerprint_of_a_checkpoint_folder_follows_its_weights(tmp_path, tiny):
-    from dstrain.targets.tiny_checkpoint import write_checkpoint
+    from dstrain.testing.tiny_checkpoints import write_checkpoint
 
     recipe = tiny[0]
     folder = write_checkpoint(tmp_path / "ckpt", recipe.target.hf_config, seed=0, shards=1)

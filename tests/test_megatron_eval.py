@@ -56,7 +56,7 @@ def test_export_reads_only_the_frozen_tensors_and_eval_matches_the_hf_target(meg
     from dstrain.recipe import TargetConfig
     from dstrain.targets import checkpoint_folder, hf
     from dstrain.targets.checkpoint import CheckpointReader
-    from dstrain.targets.tiny_checkpoint import random_target_folder
+    from dstrain.targets.random_checkpoint import random_target_folder
 
     run_dir = megatron_run / "runs" / "tiny-moe-dspark"
     art = artifacts.read_artifact(run_dir)

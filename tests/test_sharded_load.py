@@ -25,7 +25,9 @@ from dstrain.targets.checkpoint import CheckpointReader
 from dstrain.targets.configs import load_config
 from dstrain.targets.shard_plan import RankCoords, Read
 from dstrain.targets.sharded_load import load_into, load_plan, plan_bytes
-from dstrain.targets.tiny_checkpoint import FAMILIES, SINGLE_FILE, fp8_blocks, random_target_folder, write_checkpoint
+from dstrain.testing.tiny_checkpoints import FAMILIES, SINGLE_FILE, write_checkpoint
+from dstrain.targets.quant import fp8_blocks
+from dstrain.targets.random_checkpoint import random_target_folder
 
 
 # GPT families whose head_dim is not hidden / heads (Qwen3-30B-A3B: hidden 2048, 32 heads, head_dim 128); the tiny

@@ -82,7 +82,7 @@ def check_v4_native(run, metrics) -> None:
 
 def test_v4_flash_recipe_trains_checkpoints_and_resumes_on_megatron_targets(tmp_path):
     from dstrain.data.shards import synthetic_shards
-    from dstrain.targets.tiny_checkpoint import write_checkpoint, write_tokenizer
+    from dstrain.testing.tiny_checkpoints import write_checkpoint, write_tokenizer
 
     ckpt = write_checkpoint(tmp_path / "v4-tiny", V4, seed=0, shards=4, fp8_block=8, widen=3.0)
     shards = tmp_path / "shards"

@@ -17,7 +17,7 @@ quantised like its host and imported (drafter.init_from) back into a freshly bui
 
 Also: the folder's names and shapes are the engine schema fixture's exactly (tests/fixtures/engine_schema/
 deepseek_v4_dspark.json: no extra or missing weight, each logical shape its formula, each `.scale` the block grid),
-its config keys, a released drafter inside a checkpoint (tiny_checkpoint.add_dspark) imports and evaluates, and each
+its config keys, a released drafter inside a checkpoint (testing/tiny_checkpoints.add_dspark) imports and evaluates, and each
 refusal is one UserError line.
 """
 
@@ -36,7 +36,7 @@ from dstrain.models.contract import spec_from_config
 from dstrain.models.v4_drafter import V4BlockDrafter
 from dstrain.targets.checkpoint import FP4_LUT
 from dstrain.targets.configs import load_config
-from dstrain.targets.tiny_checkpoint import write_checkpoint
+from dstrain.testing.tiny_checkpoints import write_checkpoint
 from test_v4_drafter import expected_schema
 
 FIXTURE = Path(__file__).parent / "fixtures" / "engine_schema" / "deepseek_v4_dspark.json"
@@ -240,11 +240,11 @@ def test_shared_expert_is_moe_intermediate_size_times_n_shared_experts(tmp_path)
 
 
 def test_released_drafter_in_a_checkpoint_imports_and_reexports(tmp_path, monkeypatch):
-    """tiny_checkpoint's released drafter (mtp.* inside an FP8 / FP4-expert V4 checkpoint): init_from reads it within
+    """tiny_checkpoints.add_dspark's released drafter (mtp.* inside an FP8 / FP4-expert V4 checkpoint): init_from reads it within
     the stated error, read_artifact binds it to the checkpoint as its target, and the export path of `dstrain export`
     (registry build, frozen target, fingerprint) writes a folder that reads back to the same values."""
     from dstrain.models import registry
-    from dstrain.targets.tiny_checkpoint import add_dspark
+    from dstrain.testing.tiny_checkpoints import add_dspark
 
     host = write_checkpoint(tmp_path / "released", HOST, shards=2, fp8_block=BLOCK, expert_dtype="fp4")
     original = add_dspark(host, num_layers=LAYERS, rank=RANK, noise_token_id=NOISE, target_layer_ids=CAPTURE)

@@ -140,7 +140,7 @@ def test_feature_cache_namespace_of_a_target_without_streams_ignores_the_readout
     waiting on the target)."""
     from dstrain.recipe import TargetConfig
     from dstrain.targets import hf
-    from dstrain.targets.tiny_checkpoint import write_checkpoint
+    from dstrain.testing.tiny_checkpoints import write_checkpoint
     from dstrain.train.feature_store import FORMAT_VERSION, has_streams, namespace_of
 
     v1 = json.dumps({"v": FORMAT_VERSION, "target": "f", "layers": [1, 2], "dtype": str(torch.float32), "device": "cpu"})
@@ -171,7 +171,7 @@ def test_v4_flash_recipe_trains_the_v4_drafter_colocated_on_the_hf_backend(tmp_p
     recipe trains V4BlockDrafter at the tiny target's shape, the loss falls, the checkpoint is the engines' layout."""
     from conftest import run_tool
     from dstrain.data.shards import synthetic_shards
-    from dstrain.targets.tiny_checkpoint import write_checkpoint, write_tokenizer
+    from dstrain.testing.tiny_checkpoints import write_checkpoint, write_tokenizer
     from test_v4_flagship import V4 as TINY_V4
 
     ckpt = write_checkpoint(tmp_path / "v4-tiny", TINY_V4, seed=0, shards=1)

@@ -1,10 +1,10 @@
 """Tiny random configs of the MoE families the backends must serve (shared by tests), and the parity measure.
 
-The configs are the tiny-checkpoint writer's own (dstrain/targets/tiny_checkpoint.py), so the tests and the
+The configs are the tiny-checkpoint writer's own (dstrain/testing/tiny_checkpoints.py), so the tests and the
 tool describe the same models; Qwen3-MoE keeps transformers' default routing here (norm_topk_prob=False).
 """
 
-from dstrain.targets.tiny_checkpoint import FAMILIES, SMALL as COMMON
+from dstrain.testing.tiny_checkpoints import FAMILIES, SMALL as COMMON
 
 TINY = {k: dict(FAMILIES[k]) for k in ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v4")}
 TINY["qwen3_moe"].pop("norm_topk_prob")

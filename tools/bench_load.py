@@ -152,7 +152,7 @@ def main() -> int:
 
 def _mid_folder(fp8: bool) -> Path:
     from dstrain.targets.smollm2 import cache_root
-    from dstrain.targets.tiny_checkpoint import write_checkpoint
+    from dstrain.testing.tiny_checkpoints import write_checkpoint
 
     folder = cache_root() / "bench_load" / ("mid-fp8" if fp8 else "mid")
     if not (folder / "config.json").is_file():

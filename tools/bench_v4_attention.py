@@ -98,7 +98,7 @@ def main() -> int:
         impl, layer, folder, out = args.child
         child(impl, int(layer), args.seq, folder, out)
         return 0
-    from dstrain.targets.tiny_checkpoint import write_checkpoint
+    from dstrain.testing.tiny_checkpoints import write_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         config = {**CONFIG, "index_topk": args.index_topk}

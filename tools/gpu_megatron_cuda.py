@@ -57,7 +57,7 @@ def _one_rank_world(device: torch.device):
 
 
 def _families() -> dict:
-    from dstrain.targets.tiny_checkpoint import FAMILIES
+    from dstrain.testing.tiny_checkpoints import FAMILIES
 
     qwen = {k: v for k, v in FAMILIES["qwen3_moe"].items()}
     # V3 as tests/dist/v3_parity.py builds it: group-limited routing over 8 experts, a dense first layer, and

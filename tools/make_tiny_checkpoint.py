@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a tiny random checkpoint in the real on-disk layout (published key names, several shards).
 
-A family's tiny config (dstrain/targets/tiny_checkpoint.py FAMILIES) or --config JSON (transformers kwargs
+A family's tiny config (dstrain/testing/tiny_checkpoints.py FAMILIES) or --config JSON (transformers kwargs
 with a model_type) is initialised at random (--seed) and saved by transformers' save_pretrained in --shards
 files. --fp8 rewrites it the way DeepSeek publishes FP8: every linear weight of the decoder layers becomes
 float8_e4m3fn with a float32 `weight_scale_inv` per --block × --block tile; norms, routers, embeddings, the
@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from dstrain.errors import UserError, cli_main
-from dstrain.targets.tiny_checkpoint import FAMILIES, SINGLE_FILE
+from dstrain.testing.tiny_checkpoints import FAMILIES, SINGLE_FILE
 
 
 @cli_main
@@ -44,7 +44,7 @@ def main() -> int:
                     help="also write a word-level tokenizer over the vocabulary (a recipe can then use the folder as target.path)")
     args = ap.parse_args()
 
-    from dstrain.targets.tiny_checkpoint import family_config, write_checkpoint
+    from dstrain.testing.tiny_checkpoints import family_config, write_checkpoint
 
     if bool(args.family) == bool(args.config):
         raise UserError("give exactly one of --family or --config")
@@ -74,7 +74,7 @@ def main() -> int:
                          skip=skip, expert_dtype="fp4" if args.fp4_experts else None,
                          dspark={"num_layers": args.dspark} if args.dspark else None)
         if args.tokenizer:
-            from dstrain.targets.tiny_checkpoint import write_tokenizer
+            from dstrain.testing.tiny_checkpoints import write_tokenizer
 
             print(f"tokenizer fingerprint {write_tokenizer(staging, hf_config['vocab_size'])}")
         if out.exists():

@@ -18,7 +18,7 @@ and which of its layer weights carry a scale companion):
   stores confidence_head.proj in BF16; both engines hold that parameter in fp32 and cast on load); mHC tensors,
   attn_sink and gate.bias stay float32 (the release's and the engines' dtype for them).
 - The shared expert is one MLP of moe_intermediate_size * n_shared_experts, as both engines build it.
-Quantisation reuses targets/tiny_checkpoint.fp8_blocks / fp4_blocks; reading back uses targets/checkpoint.py's
+Quantisation reuses targets/targets/quant.fp8_blocks / fp4_blocks; reading back uses targets/checkpoint.py's
 CheckpointReader, the dequantiser the targets are read with.
 
 Config. config.json is the host's, plus the keys the engines read for the drafter: dspark_target_layer_ids (0-based
@@ -133,7 +133,7 @@ def host_scheme(folder: str | Path) -> HostScheme:
 
 def quantise(state: dict[str, torch.Tensor], scheme: HostScheme) -> dict[str, torch.Tensor]:
     """The drafter's tensors as the host stores its own; `X.scale` (ue8m0) beside each quantised X.weight."""
-    from dstrain.targets.tiny_checkpoint import fp4_blocks, fp8_blocks
+    from dstrain.targets.quant import fp4_blocks, fp8_blocks
 
     out = {}
     for key, t in state.items():
@@ -256,7 +256,7 @@ def export(drafter, host_folder: str | Path, out: Path, capture_layers: list[int
 
 def add_to_checkpoint(folder: str | Path, drafter, capture_layers: list[int]) -> HostScheme:
     """A released checkpoint's layout: the drafter's mtp.* (quantised like the checkpoint) in one more shard of the
-    checkpoint itself, its keys in the checkpoint's index and config.json (targets/tiny_checkpoint.add_dspark)."""
+    checkpoint itself, its keys in the checkpoint's index and config.json (testing/tiny_checkpoints.add_dspark)."""
     from safetensors.torch import save_file
 
     from dstrain.targets.configs import load_config

@@ -23,7 +23,7 @@ def checkpoint_folder(target, seed: int = 0) -> str:
     """Like target_folder, but a `source: random` target is first written as a real checkpoint (cached), so
     the sharded loaders have one path: read slices from safetensors shards."""
     if target.source == "random":
-        from dstrain.targets.tiny_checkpoint import random_target_folder
+        from dstrain.targets.random_checkpoint import random_target_folder
 
         return str(random_target_folder(target.hf_config, seed))
     return target_folder(target)

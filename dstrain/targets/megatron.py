@@ -1,7 +1,7 @@
 """megatron-core backend: a frozen GPTModel (DeepSeek-V4: its own megatron model) sharded tensor × pipeline × expert
 parallel.
 
-Built from a checkpoint folder (a `source: random` target is first written as one, tiny_checkpoint.py)
+Built from a checkpoint folder (a `source: random` target is first written as one, random_checkpoint.py)
 through its family's adapter (adapters.py), on the target ranks' own process groups (a
 ProcessGroupCollection, so drafter ranks can share the world). Each rank reads only the slices its
 shard plan names, straight from the safetensors shards (sharded_load.py, checkpoint.py).

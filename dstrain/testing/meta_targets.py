@@ -114,7 +114,7 @@ def target_forward(family: str, groups) -> dict:
     from dstrain.targets.checkpoint import CheckpointReader
     from dstrain.targets.hf import random_model
     from dstrain.targets.megatron import MegatronTarget
-    from dstrain.targets.tiny_checkpoint import FAMILIES as TINY
+    from dstrain.testing.tiny_checkpoints import FAMILIES as TINY
 
     hf = random_model(dict(TINY[family]), seed=7, dtype="float32")
     folder = tempfile.mkdtemp(prefix=f"meta-{family}-")

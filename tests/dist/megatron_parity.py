@@ -31,7 +31,7 @@ from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
 from dstrain.targets.configs import load_config  # noqa: E402
 from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
 from dstrain.targets.megatron import MegatronTarget  # noqa: E402
-from dstrain.targets.tiny_checkpoint import quantise_fp8  # noqa: E402
+from dstrain.targets.quant import quantise_fp8  # noqa: E402
 from dstrain.runtime.world import Layout, target_process_groups  # noqa: E402
 
 FAMILIES = {

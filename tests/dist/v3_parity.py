@@ -32,7 +32,7 @@ from dstrain.targets import cpu_compat, mcore_patches  # noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
 from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
 from dstrain.targets.megatron import MegatronTarget  # noqa: E402
-from dstrain.targets.tiny_checkpoint import quantise_fp8  # noqa: E402
+from dstrain.targets.quant import quantise_fp8  # noqa: E402
 from dstrain.runtime.world import Layout, target_process_groups  # noqa: E402
 
 BASE = {**TINY["deepseek_v3"], "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,

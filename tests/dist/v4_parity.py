@@ -34,7 +34,7 @@ from dstrain.targets import cpu_compat, v4_attention  # noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
 from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
 from dstrain.targets.megatron import MegatronTarget  # noqa: E402
-from dstrain.targets.tiny_checkpoint import quantise_fp8  # noqa: E402
+from dstrain.targets.quant import quantise_fp8  # noqa: E402
 from dstrain.runtime.world import Layout, target_process_groups  # noqa: E402
 
 MIXED = {**TINY["deepseek_v4"], "n_routed_experts": 8, "partial_rotary_factor": 0.25, "index_topk": 4,
