@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dstrain.errors import UserError
-from dstrain.flops import StepFlops, balance_verdict, meta_drafter, sequence_parallel, stage_layers, step_flops
-from dstrain.recipe import Recipe
+from dstrain.sim.flops import StepFlops, balance_verdict, meta_drafter, sequence_parallel, stage_layers, step_flops
+from dstrain.config.schema import Recipe
 from dstrain.runtime.channel import plan_channel_line
 from dstrain.targets.base import default_capture_layers
 from dstrain.targets.configs import TargetSizes, resolve_config, size_target
@@ -294,9 +294,9 @@ def print_plan(recipe: Recipe, recipe_path: str) -> int:
 
 
 def serving_lines(drafter_cfg, target_config, v4: bool, target: str = "TARGET") -> list[str]:
-    """What each engine will do with what this recipe trains, on this target (decoding/engines.py's rules), said
+    """What each engine will do with what this recipe trains, on this target (export/engines.py's rules), said
     before the run rather than at export."""
-    from dstrain.decoding import engines
+    from dstrain.export import engines
 
     if v4:  # the V4-native drafter (drafter.backbone=v4): --format deepseek-v4 only
         drafter_cfg = drafter_cfg.model_copy(update={"backbone": "v4"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dstrain.targets.megatron_weights import MOE, num_experts
+from dstrain.families.gpt.target import MOE, num_experts
 
 
 def _fused_qkv(q, k, v, nq: int, nkv: int, hd: int) -> torch.Tensor:

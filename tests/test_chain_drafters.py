@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dstrain.models.layers import rope
+from dstrain.layers.transformer import rope
 from dstrain.train.step import pack_samples, target_features
 from test_drafters import setup
 
@@ -69,7 +69,7 @@ def test_packed_chain_equals_dense_reference(kind, extra):
 
 
 def test_chain_families_reject_what_they_are_not():
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from conftest import ROOT
     from dstrain.errors import UserError
     for bad, words in [(["drafter.type=eagle3", *FAMILY[:3], "drafter.num_layers=2"], "num_layers=1"),

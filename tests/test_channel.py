@@ -26,7 +26,7 @@ def test_layout_puts_drafters_first_and_routes_replicas():
 
 
 def test_uneven_drafter_count_is_rejected():
-    from dstrain.recipe import WorldConfig
+    from dstrain.config.schema import WorldConfig
 
     cfg = WorldConfig(mode="disaggregated", target={"tp": 1, "dp": 2}, drafter_ranks=3)
     with pytest.raises(UserError, match="multiple of world.target.dp=2"):
@@ -247,7 +247,7 @@ def test_target_load_wait_is_bounded_by_its_own_timeout(monkeypatch):
 def test_streamed_rows_copy_one_index_to_the_device():
     """The rows a target sends are its outputs at the packing's rows; on a device (meta here) the only host-to-device
     copy of a micro-batch is the one of their coordinates, not one per indexing."""
-    from dstrain.runtime.target_role import streamed_rows
+    from dstrain.train.target_role import streamed_rows
     from dstrain.train.step_counters import CrossDeviceCopies
 
     lengths, T = [5, 2, 4], 5

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, run_tool
 from dstrain.data import corpus
 from dstrain.errors import UserError
-from dstrain.recipe import load_recipe
+from dstrain.config.schema import load_recipe
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_shipped_corpus_belongs_to_the_default_target(tmp_path, default_target):
     assert corpus.held_out_prompts(corpus.DEFAULT, tmp_path / "hp.jsonl") == len(man["held_out"]["ids"])
     # not from the evaluation sets, exactly or nearly (the prompts tool promises it; the shipped file keeps it)
     from dstrain.data.split import leaks
-    from dstrain.decoding.prompts import benchmark_prompts
+    from dstrain.eval.prompts import benchmark_prompts
 
     bench = benchmark_prompts(["math", "code", "chat"], None)
     assert not {t for p in bench for t in p["turns"]} & {t for p in prompts.values() for t in p["turns"]}
@@ -172,7 +172,7 @@ def test_demo_runs_the_recipe_as_it_is_without_steps():
     """`make demo` passes no --steps: the recipe trains as written (this once raised a TypeError before training);
     --steps N shortens it and scales the warmup down only where the recipe's would not fit."""
     from dstrain.cli.demo import demo_train_overrides
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
 
     recipe = load_recipe("recipes/smollm2_moe.yaml")
     assert demo_train_overrides(recipe, None) == []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_tool
-from dstrain.data import verify
+from dstrain import verify
 from dstrain.data.loader import ShardLoader, load_manifest
 from dstrain.data.shards import read_tar, synthetic_shards
 from dstrain.errors import UserError
@@ -75,7 +75,7 @@ def test_flipped_token_bit_stops_dstrain_train_before_the_run_folder(shards, tmp
 
 
 def test_damaged_tar_header_fails_preflight_in_one_line(shards, tmp_path):
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.train.launch import preflight
 
     shard = sorted(shards.glob("*.tar"))[0]
@@ -141,8 +141,8 @@ def test_corpus_prompts_are_checked(tmp_path):
 
 
 def test_checkpoint_named_directly_is_checked(tmp_path, user_cache):
-    from dstrain.decoding.artifacts import RUN_RECIPE, read_artifact
-    from dstrain.train.checkpoint import write_manifest
+    from dstrain.export.artifacts import RUN_RECIPE, read_artifact
+    from dstrain.runtime.checkpoint import write_manifest
 
     step = tmp_path / "run" / "checkpoints" / "step-1"
     step.mkdir(parents=True)

@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT, free_port, run_tool
 from dstrain.errors import UserError
-from dstrain.targets.deepseek_v3 import ADAPTER, rank_plan
+from dstrain.families.deepseek_v3.target import ADAPTER, rank_plan
 from dstrain.targets.shard_plan import RankCoords
 from tiny_configs import TINY
 

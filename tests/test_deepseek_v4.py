@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, run_tool
-from dstrain.blocks import v4 as v4_blocks
-from dstrain.blocks.v4 import sparse_attention
+from dstrain.families.deepseek_v4 import blocks as v4_blocks
+from dstrain.families.deepseek_v4.blocks import sparse_attention
 from dstrain.errors import UserError
-from dstrain.targets.deepseek_v4 import ADAPTER, rank_plan
+from dstrain.families.deepseek_v4.target import ADAPTER, rank_plan
 from dstrain.targets.shard_plan import RankCoords
-from dstrain.targets.v4_attention import stable_topk
+from dstrain.families.deepseek_v4.attention import stable_topk
 from tiny_configs import TINY
 
 TOL = 1.5e-5  # megatron vs transformers, fp32: 10x README's "within 1.5e-6" (was 1e-4: a 70x drift passed)

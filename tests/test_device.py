@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import run_tool
-from dstrain.data.packing import pack_blocks
+from dstrain.packing.blocks import pack_blocks
 from dstrain.errors import UserError
-from dstrain.recipe import parse_recipe
+from dstrain.config.schema import parse_recipe
 from dstrain.runtime.world import run_device, select_deepspeed_accelerator
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_packed_blocks_move_as_a_whole():
 
 
 def test_losses_keep_upcast_gemms_off_cuda():
-    from dstrain.train.losses import _gemm, _lowp_gemms
+    from dstrain.train.vocab_gemm import gemm as _gemm, lowp_gemms as _lowp_gemms
 
     a, b = torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(8, 3, dtype=torch.bfloat16)
     assert not _lowp_gemms(a, None, b)  # CPU bf16: operands upcast, as before
@@ -146,7 +146,7 @@ def test_deepspeed_engine_binds_the_run_device(monkeypatch, tmp_path):
     import deepspeed
     from deepspeed.runtime import engine as ds_engine
 
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.targets.frozen import load_frozen_parts
     from dstrain.train.trainer import Trainer
     from conftest import ROOT

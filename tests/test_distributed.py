@@ -111,7 +111,7 @@ def test_disaggregated_equals_colocated_and_zero_stages_agree(runs):
 def test_zero3_checkpoint_exports_the_same_drafter_as_zero0(runs):
     import torch
 
-    from dstrain.decoding.artifacts import read_artifact
+    from dstrain.export.artifacts import read_artifact
 
     a = read_artifact(runs / "zero0" / "tiny-moe-dspark", "z0")
     b = read_artifact(runs / "zero3" / "tiny-moe-dspark", "z3")

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 150
-REGENERATE = "python -m dstrain.docs_gen --write docs/recipes.md"
+REGENERATE = "python -m dstrain.cli.reference_docs --write docs/recipes.md"
 
 LINK = re.compile(r"(?<!\!)\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 IMAGE = re.compile(r"!\[[^\]]*\]\(\s*([^)\s]+)")
@@ -97,11 +97,11 @@ def test_link_checker_catches_what_it_should(tmp_path):
 
 
 def test_recipe_reference_is_up_to_date():
-    from dstrain.docs_gen import generated_part, recipe_reference
+    from dstrain.cli.reference_docs import generated_part, recipe_reference
 
     committed = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
     assert generated_part(committed) == recipe_reference(), (
-        f"docs/recipes.md is out of date with the recipe schema (dstrain/recipe.py); regenerate it: {REGENERATE}")
+        f"docs/recipes.md is out of date with the recipe schema (dstrain/config/schema.py); regenerate it: {REGENERATE}")
 
 
 def test_every_docs_page_is_in_the_index():

@@ -5,9 +5,9 @@ import torch
 
 from conftest import ROOT
 from dstrain.data.loader import Sample
-from dstrain.models.contract import TargetSpec
-from dstrain.models.registry import build_drafter
-from dstrain.recipe import load_recipe
+from dstrain.drafters.contract import TargetSpec
+from dstrain.families.registry import build_drafter
+from dstrain.config.schema import load_recipe
 from dstrain.targets import load_target
 from dstrain.train.step import draft_losses, pack_samples, target_features
 

@@ -1,4 +1,4 @@
-"""The engine rules (dstrain/decoding/engines.py): each rule's verdict on a drafter, a format and a target, the lines
+"""The engine rules (dstrain/export/engines.py): each rule's verdict on a drafter, a format and a target, the lines
 `dstrain plan` / `dstrain export` print from them, vLLM's --speculative-config, the rules against the fixture that
 lists them with their sources, and docs/export.md's table against the rules."""
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dstrain.decoding import engines
+from dstrain.export import engines
 from dstrain.errors import UserError
-from dstrain.recipe import load_recipe
+from dstrain.config.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "engine_schema" / "deepseek_v4_dspark.json"
@@ -117,11 +117,11 @@ def test_rules_are_the_fixtures_with_their_sources():
 
 
 def test_export_table_is_the_rules():
-    from dstrain.docs_gen import ENGINES_BEGIN, generated_part
+    from dstrain.cli.reference_docs import ENGINES_BEGIN, generated_part
 
     committed = (ROOT / "docs" / "export.md").read_text(encoding="utf-8")
     assert ENGINES_BEGIN in committed
     assert generated_part(committed, ENGINES_BEGIN) == engines.rules_table(), (
-        "docs/export.md's engine table is out of date with dstrain/decoding/engines.py; regenerate it: "
-        "python -m dstrain.docs_gen --engines --write docs/export.md")
+        "docs/export.md's engine table is out of date with dstrain/export/engines.py; regenerate it: "
+        "python -m dstrain.cli.reference_docs --engines --write docs/export.md")
     assert "Model Runner V1 does not support: dspark speculative decoding" in committed and "requires Triton" in committed

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from transformers import DeepseekV4Config
 
-from dstrain.models.v4_draft_layer import V4DraftDims, V4DraftLayer
-from dstrain.targets.deepseek_v4 import rope_of
+from dstrain.families.deepseek_v4.draft_layer import V4DraftDims, V4DraftLayer
+from dstrain.families.deepseek_v4.target import rope_of
 
 FIXTURE = Path(__file__).parent / "fixtures" / "engine_schema" / "deepseek_v4_dspark.json"
 ENGINES = {"vllm", "sglang"}
@@ -78,9 +78,9 @@ def test_draft_layer_state_dict_is_the_engines_layer_schema(schema, shared):
 
 
 def test_export_storage_rules_are_the_fixtures(schema):
-    """decoding/v4_format.py's lists say which tensors --format deepseek-v4 keeps fp32 and which it may quantise: they
+    """families/deepseek_v4/export_format.py's lists say which tensors --format deepseek-v4 keeps fp32 and which it may quantise: they
     must be the fixture's (dtype "float32"; `quantised` "per quant_config" or the experts' expert_dtype), no more."""
-    from dstrain.decoding import v4_format
+    from dstrain.families.deepseek_v4 import export_format as v4_format
 
     entries = {**schema["layer_weights"], **schema["drafter_weights"]}
     fp32 = {n for n, e in entries.items() if e["dtype"] == "float32"}

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import run_tool
 from dstrain.data.shards import synthetic_shards
-from dstrain.decoding.metrics import acceptance_stats, calibration_table, ece, fit_sts, threshold_sweep
+from dstrain.eval.metrics import acceptance_stats, calibration_table, ece, fit_sts, threshold_sweep
 
 
 def test_conditional_acceptance_counts_only_rounds_that_reached_the_position():
@@ -115,7 +115,7 @@ def test_turn_prompts_on_a_tokenizer_without_a_chat_template_are_one_line():
     """transformers raises a ValueError mid-evaluation here (seen on the tiny V4 checkpoint's tokenizer)."""
     from types import SimpleNamespace
 
-    from dstrain.decoding.prompts import encode
+    from dstrain.eval.prompts import encode
     from dstrain.errors import UserError
 
     bare = SimpleNamespace(chat_template=None)
@@ -127,7 +127,7 @@ def test_turn_prompts_on_a_tokenizer_without_a_chat_template_are_one_line():
 def test_results_markdown_without_a_baseline_has_no_speedup_columns():
     """`dstrain eval --no-baseline` (what make demo runs) printed a speedup column of nan×; positions no round
     reached print a dash, not nan."""
-    from dstrain.decoding.evaluation import markdown
+    from dstrain.eval.evaluation import markdown
 
     dom = {"tau": 1.25, "proposal_length": 5.0, "conditional_acceptance": [0.2, 0.1, float("nan")]}
     results = {"target": "t", "temperature": 1.0, "max_new_tokens": 8, "batch": 2, "policy": "full", "baseline": {},

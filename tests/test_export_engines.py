@@ -1,4 +1,4 @@
-"""Exportable by default: what each engine loads (decoding/engines.py), the shipped recipes against it, the refusal
+"""Exportable by default: what each engine loads (export/engines.py), the shipped recipes against it, the refusal
 before any weights load, and drafter.init_from bridging an older drafter to the exportable settings."""
 
 from pathlib import Path
@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstrain.decoding import artifacts, engines
+from dstrain.export import artifacts
+from dstrain.export import engines
 from dstrain.errors import UserError
-from dstrain.models.contract import spec_from_config
-from dstrain.models.registry import build_drafter
-from dstrain.recipe import load_recipe
+from dstrain.drafters.contract import spec_from_config
+from dstrain.families.registry import build_drafter
+from dstrain.config.schema import load_recipe
 from dstrain.targets import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def test_export_refuses_before_loading_weights_and_init_from_bridges_to_exportab
                                             new_recipe.target.model_dump(mode="json"), got)
     assert artifacts.check_export(bridged_art, "speculators").startswith("written for vLLM")
     # what `dstrain export` prints after writing: tiny_moe's target is Mixtral-format, which vLLM hosts no drafter on
-    lines = engines.export_lines(bridged_art, target, tmp_path / "out", "speculators")
+    lines = artifacts.export_lines(bridged_art, target, tmp_path / "out", "speculators")
     assert lines[0].startswith("vLLM (--format speculators): refuses — ") and "MixtralForCausalLM does not" in lines[0]
     assert not any("loads in vLLM" in line for line in lines)
 

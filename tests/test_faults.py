@@ -110,7 +110,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_good_one(shards, t
     position. A truncated latest checkpoint is reported in one line and the run resumes from the one before,
     repeating exactly the losses the first run had; an altered byte is caught by the checksum; none good is
     a one-line error with exit 2."""
-    from dstrain.train.checkpoint import MANIFEST, verify
+    from dstrain.runtime.checkpoint import MANIFEST, verify
 
     run = tmp_path / "tiny-moe-dspark"
     ckpts = run / "checkpoints"
@@ -191,7 +191,7 @@ def on_a_small_disk(shards, disk, steps):
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint(shards, tmp_path):
     """A 2 MiB tmpfs holds one tiny checkpoint (1.2 MB) but not two: the second save hits ENOSPC, the run ends
     in one line (exit 2) naming the intact previous checkpoint, which still verifies; no staging is left."""
-    from dstrain.train.checkpoint import verify
+    from dstrain.runtime.checkpoint import verify
 
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT, run_tool
 from dstrain.data.loader import Sample
-from dstrain.recipe import load_recipe
+from dstrain.config.schema import load_recipe
 from dstrain.targets import load_target
 from dstrain.train.feature_store import FeatureStore, LazyTarget, namespace_of, open_store, sample_key, target_fingerprint
 from dstrain.train.step import target_features

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dstrain.flops import attention_dims, balance_verdict, mean_context, step_flops, target_flops_per_token
+from dstrain.sim.flops import attention_dims, balance_verdict, mean_context, step_flops, target_flops_per_token
 from dstrain.targets.configs import size_target
 from dstrain.targets.hf import random_model
 from tiny_configs import COMMON, TINY
@@ -45,8 +45,8 @@ def test_mean_context_is_the_average_visible_keys():
 
 
 def test_drafter_vocab_floor_and_balance():
-    from dstrain.flops import meta_drafter
-    from dstrain.recipe import load_recipe
+    from dstrain.sim.flops import meta_drafter
+    from dstrain.config.schema import load_recipe
     from dstrain.targets.configs import resolve_config
 
     recipe = load_recipe("recipes/qwen3_moe.yaml")
@@ -72,8 +72,8 @@ def test_expert_work_counts_every_tp_copy_without_sequence_parallelism(family):
     the balance must count; with SP (megatron, tp > 1, experts) once. The routed share is checked against the hand
     count of the counter test above."""
     from conftest import ROOT
-    from dstrain.flops import expert_work, meta_drafter, sequence_parallel
-    from dstrain.recipe import load_recipe
+    from dstrain.sim.flops import expert_work, meta_drafter, sequence_parallel
+    from dstrain.config.schema import load_recipe
     from dstrain.targets.configs import config_from_dict
 
     cfg = config_from_dict(TINY[family])
@@ -99,7 +99,7 @@ def test_expert_work_counts_every_tp_copy_without_sequence_parallelism(family):
 def test_uneven_pipeline_stages_wait_on_the_largest():
     from types import SimpleNamespace
 
-    from dstrain.flops import StepFlops, stage_layers
+    from dstrain.sim.flops import StepFlops, stage_layers
 
     def recipe(pp, table=None):
         return SimpleNamespace(world=SimpleNamespace(target=SimpleNamespace(pp=pp, pipeline_layers=table)))

@@ -55,7 +55,7 @@ def test_injected_host_reads_are_caught_with_their_line():
 
 
 def test_cuda_branches_are_taken_inside_and_restored_after():
-    from dstrain.models import attention
+    from dstrain.layers import attention
     from dstrain.train.step import pack_step
 
     cfg = M.StepConfig("dspark-markov", "generic", "dense", "FlexBlocks")
@@ -78,12 +78,12 @@ def test_cuda_branches_are_taken_inside_and_restored_after():
 def test_the_old_rope_defect_is_caught(monkeypatch):
     """Before issue 38, V4's Rope kept inv_freq on the host and every call copied it over: put it back and the check
     names the line."""
-    from dstrain.blocks import v4
+    from dstrain.families.deepseek_v4 import blocks as v4
 
     monkeypatch.setattr(v4.Rope, "inv_freq", property(lambda self: torch.ones(self.inv_freq_bits.shape)))
     v4_cfg = next(c for c in M.drafter_configs() if c.backbone == "v4")
     sites = {r["site"].split(" ")[0] for r in M.drafter_step(v4_cfg).report() if r["kind"] == "host-in"}
-    assert any(s.startswith("dstrain/blocks/v4.py:") for s in sites), sites
+    assert any(s.startswith("dstrain/families/deepseek_v4/blocks.py:") for s in sites), sites
 
 
 def _meta_targets(*args):

@@ -6,8 +6,8 @@ from conftest import ROOT
 
 from dstrain.errors import UserError
 from dstrain.plan import build_plan
-from dstrain.recipe import load_recipe
-from dstrain.targets.hub import looks_like_hub_id
+from dstrain.config.schema import load_recipe
+from dstrain.config.hub import looks_like_hub_id
 
 TINY = ROOT / "recipes" / "tiny_moe.yaml"
 

@@ -4,7 +4,7 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
-from dstrain.blocks.mhc import HyperConnection, HyperHead
+from dstrain.layers.mhc import HyperConnection, HyperHead
 
 
 def test_matches_deepseek_v4_hyper_connection_and_head():

@@ -48,8 +48,8 @@ def test_eval_during_training_logs_keeps_best_and_leaves_training_unchanged(setu
     assert json.loads((run / "checkpoints" / "best" / "best.json").read_text())["step"] == best["step"]
 
     # the best checkpoint, read back like any drafter and decoded the same way, reproduces its logged τ exactly
-    from dstrain.decoding import artifacts
-    from dstrain.decoding.decode import LengthPolicy, SpecDecoder
+    from dstrain.export import artifacts
+    from dstrain.eval.decode import LengthPolicy, SpecDecoder
     from dstrain.train.live_eval import counts_of
 
     art = artifacts.read_artifact(run / "checkpoints" / "best")

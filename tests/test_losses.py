@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dstrain.data.anchors import IGNORE
+from dstrain.packing.anchors import IGNORE
 from dstrain.train.losses import drafter_loss_sums, position_weights, vocab_chunks, vocab_loss
 
 

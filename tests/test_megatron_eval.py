@@ -51,9 +51,9 @@ def evaluate(root, name, *args) -> dict:
 
 def test_export_reads_only_the_frozen_tensors_and_eval_matches_the_hf_target(megatron_run, monkeypatch, capsys):
     from dstrain.cli import export as export_cli
-    from dstrain.decoding import artifacts
+    from dstrain.export import artifacts
     from dstrain.errors import UserError
-    from dstrain.recipe import TargetConfig
+    from dstrain.config.schema import TargetConfig
     from dstrain.targets import checkpoint_folder, hf
     from dstrain.targets.checkpoint import CheckpointReader
     from dstrain.targets.random_checkpoint import random_target_folder

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, free_port
 from dstrain.errors import UserError
 from dstrain.plan import build_plan
-from dstrain.recipe import load_recipe
+from dstrain.config.schema import load_recipe
 from dstrain.targets.shard_plan import RankCoords, check_stages, stage_of_layer
 from tiny_configs import TINY
 
@@ -108,7 +108,7 @@ def test_moe_at_tp2_builds_sequence_parallel_and_uneven_stages(family):
 
 
 def test_dense_targets_stay_without_sequence_parallel():
-    from dstrain.targets import megatron_weights
+    from dstrain.families.gpt import target as megatron_weights
     from dstrain.targets.hf import random_model
     from tiny_configs import COMMON
 

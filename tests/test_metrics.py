@@ -77,7 +77,7 @@ def test_no_interval_from_fewer_than_two_prompts_per_domain():
 
     import torch
 
-    from dstrain.decoding import bootstrap as B
+    from dstrain.eval import bootstrap as B
 
     one = (torch.tensor([7.0]), torch.tensor([5.0]))
     many = (torch.tensor([7.0, 3.0, 9.0]), torch.tensor([5.0, 3.0, 4.0]))

@@ -6,8 +6,8 @@ import json
 import torch
 
 from conftest import run_tool
-from dstrain.models.layers import MoE
-from dstrain.recipe import FFNConfig
+from dstrain.layers.transformer import MoE
+from dstrain.config.schema import FFNConfig
 
 
 def windowed_load(balance: str, coef: float, rate: float, seed: int, steps: int = 200, window: int = 50) -> torch.Tensor:

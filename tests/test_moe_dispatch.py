@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dstrain.models.layers import MoE
+from dstrain.layers.transformer import MoE
 from dstrain.train.step_counters import StepCounter
 
 
@@ -104,8 +104,8 @@ def test_an_unaligned_expert_width_is_one_line_naming_the_key():
     import pytest
 
     from dstrain.errors import UserError
-    from dstrain.models.contract import TargetSpec
-    from dstrain.models.layers import make_ffn
+    from dstrain.drafters.contract import TargetSpec
+    from dstrain.layers.transformer import make_ffn
 
     ffn = SimpleNamespace(type="moe", intermediate_size=100, num_experts=4, top_k=2, shared_expert=False,
                           balance="aux_loss", bias_update_rate=1e-3)
@@ -118,7 +118,7 @@ def test_an_unaligned_expert_width_is_one_line_naming_the_key():
 # --- the DeepSeek-V4 draft layer's MoE (models/v4_draft_layer.V4DraftMoE) shares grouped_dispatch ---------------------
 
 def v4_moe(experts: int, top_k: int, scoring: str = "sqrtsoftplus", d: int = 16, inter: int = 24, limit: float = 1.0):
-    from dstrain.models.v4_draft_layer import V4DraftDims, V4DraftMoE
+    from dstrain.families.deepseek_v4.draft_layer import V4DraftDims, V4DraftMoE
 
     dims = V4DraftDims(hidden=d, heads=2, head_dim=8, rope_dim=4, q_lora=8, o_groups=1, o_lora=8, window=8,
                        experts=experts, topk=top_k, moe_inter=inter, routed_scale=1.5, scoring=scoring,
@@ -140,7 +140,7 @@ def v4_release_experts(moe) -> dict[str, torch.Tensor]:
 def v4_loop_forward(moe, x: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The replaced V4DraftMoE.forward (a loop over the experts hit, torch.where per expert), on per-expert weights
     `w` ({e}.w{1,2,3}.weight under `experts.`), kept as the reference: (output, load by bincount)."""
-    from dstrain.blocks.v4 import clamped_swiglu, route
+    from dstrain.families.deepseek_v4.blocks import clamped_swiglu, route
 
     flat = x.reshape(-1, x.shape[-1])
     logits = F.linear(flat.float(), moe.gate.weight.float())
@@ -267,7 +267,7 @@ def test_padding_blocks_move_no_balance_and_no_load(balance):
     """The static packing pads each sequence to anchors.per_sequence blocks (keep False). Padding still runs through
     the experts (static shapes) but its load and aux loss must be the real blocks' alone: all padding blocks are
     alike (anchor 0, mask tokens), so counting them would steer the balance toward their experts."""
-    from dstrain.models.layers import real_blocks
+    from dstrain.layers.transformer import real_blocks
 
     torch.manual_seed(0)
     moe = MoE(16, 24, 4, 2, shared=True, balance=balance).train()
@@ -288,8 +288,8 @@ def test_padding_blocks_move_no_balance_and_no_load(balance):
 
 
 def test_v4_moe_padding_blocks_move_no_load():
-    from dstrain.models.layers import real_blocks
-    from dstrain.models.v4_draft_layer import V4DraftDims, V4DraftMoE
+    from dstrain.layers.transformer import real_blocks
+    from dstrain.families.deepseek_v4.draft_layer import V4DraftDims, V4DraftMoE
     from dstrain.targets.configs import config_from_dict
     from tiny_configs import TINY
 

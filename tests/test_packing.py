@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT
-from dstrain.data.anchors import IGNORE, anchor_generator, block_labels, candidate_anchors, sample_anchors
-from dstrain.data.packing import pack_blocks
-from dstrain.models.attention import KeyGroups, _rounded, block_attention
+from dstrain.packing.anchors import IGNORE, anchor_generator, block_labels, candidate_anchors, sample_anchors
+from dstrain.packing.blocks import pack_blocks
+from dstrain.layers.attention import KeyGroups, _rounded, block_attention
 
 
 def attention_leaves(blocks: int, gamma: int, total: int, h: int, hkv: int, d: int) -> tuple[torch.Tensor, ...]:
@@ -156,7 +156,7 @@ def test_key_groups_refuse_another_block_size():
 
 
 def _static(lengths, per_seq, window, seed=0, slots=None, masks=None):
-    from dstrain.data.anchors import anchor_slots
+    from dstrain.packing.anchors import anchor_slots
 
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(5, 50, (n,), generator=g) for n in lengths]
@@ -173,7 +173,7 @@ def _static(lengths, per_seq, window, seed=0, slots=None, masks=None):
 def test_static_packed_attention_equals_dense_reference(window, lengths, per_seq):
     """The static packing (fixed anchor slots, padding slots kept with keep False) and its one-call BlockGroups layout:
     equal to the dense reference in fp64 (1e-10), gradients included; padding slots see no context."""
-    from dstrain.models.attention import BlockGroups
+    from dstrain.layers.attention import BlockGroups
 
     torch.manual_seed(0)
     ids, masks, p = _static(lengths, per_seq, window)
@@ -239,7 +239,7 @@ def test_flex_layout_equals_dense_reference(window, lengths, device):
     """The static packing's CUDA layout (FlexBlocks: one flex_attention call over a BlockMask from each block's context
     range) equals the dense reference: fp64 on the CPU, forward only (torch has no CPU backward for flex attention);
     on CUDA fp32 with every gradient."""
-    from dstrain.models.attention import FlexBlocks
+    from dstrain.layers.attention import FlexBlocks
 
     torch.manual_seed(0)
     _, _, p = _static(lengths, 8, window)
@@ -270,7 +270,7 @@ def test_flex_layout_follows_the_causal_triangle():
     1.53x at 64 on 8192 tokens (1.23 / 1.72 at 2048; at 512 tokens 1.73 / 2.02, where each 128-query tile's diagonal
     tile of own-block keys is a third of its work). With a window a 128-query tile spans blocks whose windows barely
     overlap (6.6x at 512 anchors), so windowed runs keep BlockGroups (1.0-1.14x)."""
-    from dstrain.models.attention import BlockGroups, FlexBlocks, flex_pairs
+    from dstrain.layers.attention import BlockGroups, FlexBlocks, flex_pairs
     from dstrain.train.step_counters import needed_pairs
 
     for anchors in (512, 64):
@@ -299,8 +299,8 @@ def test_a_recipe_packs_to_few_shapes_under_the_recompile_limit(recipe):
     its dense kernel ([queries x keys] scores: ~17 GB a layer at qwen3_moe's 4096 tokens). Packed as the trainer
     does on CUDA (flex without a window), every batch lands on a bucket, and the packings take one shape per bucket."""
     from dstrain.data.loader import Sample
-    from dstrain.data.packing import length_buckets
-    from dstrain.recipe import load_recipe
+    from dstrain.packing.blocks import length_buckets
+    from dstrain.config.schema import load_recipe
     from dstrain.train.step import pack_step
 
     r = load_recipe(recipe)

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from conftest import ROOT, free_port, run_tool
 from dstrain.errors import UserError
-from dstrain.recipe import WorldConfig, load_recipe
+from dstrain.config.schema import WorldConfig, load_recipe
 from dstrain.runtime.node_map import node_lines, spans
 from dstrain.runtime.world import Layout, check_node_size, layout_of, target_grids
 

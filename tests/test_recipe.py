@@ -7,7 +7,7 @@ import yaml
 from conftest import ROOT, run_tool
 from dstrain.errors import UserError
 from dstrain.plan import build_plan, format_plan
-from dstrain.recipe import load_recipe, parse_recipe
+from dstrain.config.schema import load_recipe, parse_recipe
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 

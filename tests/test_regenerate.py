@@ -140,7 +140,7 @@ def test_pipeline_on_default_target(tmp_path):
     assert stats["written"] + stats["failed"] == 6 and stats["written"] >= 5 and stats["tokens_per_s"] > 0
     run_tool("tools/make_shards.py", "--inputs", convs, "--out", shards, "--recipe", "recipes/smollm2_moe.yaml", "--min-loss-tokens", "4")
     from dstrain.data.loader import ShardLoader
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
 
     name = load_recipe(ROOT / "recipes/smollm2_moe.yaml").target.name
     samples = list(ShardLoader(shards, expect_target=name).iter_epoch())

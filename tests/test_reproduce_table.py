@@ -11,8 +11,8 @@ import yaml
 
 from conftest import ROOT, run_tool
 from dstrain.data import corpus
-from dstrain.decoding.bootstrap import macro_interval, paired_difference, prompt_totals, ratio_interval
-from dstrain.decoding.metrics import acceptance_stats
+from dstrain.eval.bootstrap import macro_interval, paired_difference, prompt_totals, ratio_interval
+from dstrain.eval.metrics import acceptance_stats
 
 
 def _rollout(prompts: int, p_accept: float, seed: int, gamma: int = 4, rounds=(3, 12)):
@@ -98,7 +98,7 @@ def tiny_world(tmp_path_factory, tiny_lm_dir):
 def test_mtp_budget_matches_the_block_families_by_the_trainers_count(tiny_world):
     from dstrain.data.shards import build_shards
     from dstrain.data.tokenize import TokenizeConfig
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.reproduce.families import match_budget, sample_stream, supervised_positions
     from transformers import AutoTokenizer
 
@@ -195,8 +195,8 @@ def test_user_errors_are_one_line(tiny_world):
 
 
 def test_pooled_paired_difference_and_stratified_benchmark_sample():
-    from dstrain.decoding.bootstrap import pooled_paired_difference
-    from dstrain.decoding.prompts import sampled_benchmark_prompts
+    from dstrain.eval.bootstrap import pooled_paired_difference
+    from dstrain.eval.prompts import sampled_benchmark_prompts
 
     hi = [{d: prompt_totals(_rollout(30, 0.7, seed=s * 10 + i)) for i, d in enumerate("xy")} for s in range(2)]
     lo = [{d: prompt_totals(_rollout(30, 0.3, seed=s * 10 + i + 5)) for i, d in enumerate("xy")} for s in range(2)]
@@ -273,7 +273,7 @@ def test_paper_preset_end_to_end_and_resume(tiny_world):
 def test_every_family_is_a_valid_recipe_that_changes_what_its_name_says():
     """Each family's overrides load on the table's base recipe (a misspelt key or value is a recipe error here, not
     an hour into a background table), and the position-1 ablations differ from DSpark (Markov) in their one setting."""
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.reproduce.families import FAMILIES, family_overrides
 
     base = ROOT / "dstrain" / "recipes" / "smollm2_moe.yaml"

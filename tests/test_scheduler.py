@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from dstrain.serving.scheduler import admit_top_k, async_capacity, schedule, survival
+from dstrain.sim.scheduler import admit_top_k, async_capacity, schedule, survival
 
 
 def theta(surv, lengths, sps):

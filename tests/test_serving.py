@@ -5,7 +5,7 @@ import json
 import torch
 
 from conftest import run_tool
-from dstrain.serving.simulator import Simulator, traces_from_rollouts
+from dstrain.sim.simulator import Simulator, traces_from_rollouts
 
 
 def synthetic_rollouts(seed=0, gamma=6, requests=40, rounds=30):
@@ -50,7 +50,7 @@ def test_simulate_serving_tool(tmp_path):
 
 
 def test_profile_sps_writes_a_table_the_scheduler_reads(tmp_path):
-    from dstrain.serving.sps import load_table
+    from dstrain.sim.sps import load_table
 
     run_tool("tools/profile_sps.py", "--recipe", "recipes/tiny_moe.yaml", "--max-tokens", "12", "--context", "16",
              "--repeats", "1", "--out", str(tmp_path))
@@ -64,7 +64,7 @@ def test_verification_timing_runs_on_a_deepseek_v4_target():
     store_compression_weights): the SPS profile builds them from the config and copies the context per repeat."""
     import torch
 
-    from dstrain.serving.sps import prefill, time_step
+    from dstrain.sim.sps import prefill, time_step
     from dstrain.targets.hf import random_model
     from tiny_configs import TINY
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from conftest import ROOT
-from dstrain.data.packing import pack_blocks
-from dstrain.decoding import artifacts, formats
+from dstrain.packing.blocks import pack_blocks
+from dstrain.export import artifacts
+from dstrain.export import formats
 from dstrain.errors import UserError
-from dstrain.models.contract import spec_from_config
-from dstrain.models.registry import build_drafter
-from dstrain.recipe import load_recipe
+from dstrain.drafters.contract import spec_from_config
+from dstrain.families.registry import build_drafter
+from dstrain.config.schema import load_recipe
 from dstrain.targets import load_target
 
 

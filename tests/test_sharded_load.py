@@ -266,7 +266,7 @@ def test_random_target_written_by_a_rank_other_than_zero(tmp_path, monkeypatch):
 
 def test_drafter_side_reads_embedding_and_head_through_the_reader(folders, tmp_path, monkeypatch):
     """frozen.py: FP8-era checkpoints (untied head) and random targets (tied, written once as a checkpoint)."""
-    from dstrain.recipe import TargetConfig
+    from dstrain.config.schema import TargetConfig
     from dstrain.targets.frozen import load_frozen_parts
     from dstrain.targets.hf import random_model
 
@@ -314,7 +314,7 @@ def test_make_tiny_checkpoint_tool(tmp_path, capsys, monkeypatch):
 def test_real_default_target_folder():
     """The upcycled SmolLM2 folder (built here if no earlier test or tool built it; it used to skip unless another
     test had run first): TP=3 × EP=2 × PP=2 (9 heads, 3 KV groups)."""
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.targets import smollm2
 
     up = load_recipe(ROOT / "recipes" / "smollm2_moe.yaml").target.upcycle
@@ -333,7 +333,7 @@ def test_real_default_target_folder():
 def test_dry_run_plan_sizes_each_rank_from_the_plan_the_loader_executes(folders):
     """--dry-run's target weights and bytes read equal what the loader holds and reads, rank by rank (worst rank)."""
     from dstrain.plan import GiB, build_plan, format_plan
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
 
     folder = folders("qwen3_moe")
     cfg, hf = load_config(folder), hf_state(folder)

@@ -124,7 +124,7 @@ def test_sbatch_survives_a_requeue_and_a_preemption_notice_without_losing_or_rep
     batch script, as `--signal=B:USR1@120` sends it): the script forwards it, both drafter ranks save at the same step
     boundary, every rank exits, the script requeues, and the third start resumes from the step after the notice.
     checkpoint_every is 10, so the notice's save is the only checkpoint between the two periodic ones."""
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.train.launch import make_loader
 
     shards = tmp_path / "shards"

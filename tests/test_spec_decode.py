@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import ROOT
-from dstrain.models.contract import spec_from_config
-from dstrain.models.registry import build_drafter
-from dstrain.recipe import load_recipe
-from dstrain.serving.scheduler import schedule
-from dstrain.decoding.decode import LengthPolicy, SpecDecoder
-from dstrain.decoding.sampling import verify
+from dstrain.drafters.contract import spec_from_config
+from dstrain.families.registry import build_drafter
+from dstrain.config.schema import load_recipe
+from dstrain.sim.scheduler import schedule
+from dstrain.eval.decode import LengthPolicy, SpecDecoder
+from dstrain.eval.sampling import verify
 from dstrain.targets import load_target
 
 VOCAB = 16
@@ -132,8 +132,8 @@ def test_appendix8_retrospective_search_is_biased_and_early_stop_is_not():
 
 def test_the_chi_square_check_catches_a_biased_verifier(monkeypatch):
     """Accepting every draft (no rejection sampling) must fail the same check: the test has power."""
-    import dstrain.decoding.decode as decode
-    from dstrain.decoding.sampling import sample
+    import dstrain.eval.decode as decode
+    from dstrain.eval.sampling import sample
 
     def accept_all(drafts, q, p, lengths, generator=None):
         return lengths, sample(p[torch.arange(len(lengths)), lengths], generator)
@@ -149,8 +149,8 @@ def test_greedy_speculative_on_a_deepseek_v4_target_equals_greedy():
     DynamicCache without its config fails outright: no store_compression_weights). Its session recomputes the prefix
     each round: greedy speculative decoding with the V4-native drafter must equal greedy decoding by plain full
     forwards, with prompts of different lengths decoded together (right padding)."""
-    from dstrain.models.contract import spec_from_config
-    from dstrain.recipe import DrafterConfig
+    from dstrain.drafters.contract import spec_from_config
+    from dstrain.config.schema import DrafterConfig
     from dstrain.targets.hf import HFTarget, random_model
     from tiny_configs import TINY
 
@@ -182,7 +182,7 @@ def test_scheduler_policy_verifies_what_the_scheduler_admits():
     """LengthPolicy('scheduler') verifies the scheduler's lengths, not every draft: confident rows keep more drafts
     than doubtful ones when the step rate falls with the batch (the losslessness test alone cannot tell, since
     verifying everything is lossless too)."""
-    from dstrain.serving.scheduler import survival
+    from dstrain.sim.scheduler import survival
 
     gamma, rows = 5, 4
     conf_logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [4.0, 4.0, 4.0, 4.0, 4.0],

@@ -6,7 +6,7 @@ test of homogeneity; accepting every draft fails the same test."""
 
 import torch
 
-from dstrain.decoding.decode import SpecDecoder
+from dstrain.eval.decode import SpecDecoder
 from test_spec_decode import FAMILIES, PROMPT, VOCAB, build
 
 TOTAL, BATCH, NEW = 30_000, 15_000, 9
@@ -41,8 +41,8 @@ def test_tokens_from_round_three_on_follow_the_target(monkeypatch):
     assert int(gen.rounds["request"].bincount().min()) >= 3  # every request needed three rounds or more
     assert homogeneity_p(pair_counts(spec), reference) > 0.01
 
-    import dstrain.decoding.decode as decode
-    from dstrain.decoding.sampling import sample
+    import dstrain.eval.decode as decode
+    from dstrain.eval.sampling import sample
 
     def accept_all(drafts, q, p, lengths, generator=None):
         return lengths, sample(p[torch.arange(len(lengths)), lengths], generator)

@@ -178,7 +178,7 @@ def test_the_planned_step_computes_what_the_unplanned_step_does():
     from dataclasses import replace
 
     from bench_train import setup
-    from dstrain.recipe import LossConfig
+    from dstrain.config.schema import LossConfig
     from dstrain.train.step import TargetFeatures, draft_losses
 
     # dense anchors (256 on 512 tokens): the static packing's bound on each chunk's distinct rows lets them share
@@ -253,7 +253,7 @@ def test_trainer_clipping_equals_deepspeeds(tmp_path, monkeypatch):
 
 
 def _recipe(tmp_path):
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
 
     return load_recipe(str(ROOT / "recipes" / "tiny_moe.yaml"), [f"data.shards={tmp_path / 'shards'}"])
 

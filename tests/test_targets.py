@@ -78,7 +78,7 @@ def test_meta_sizing_counts_experts():
 
 def test_load_target_from_recipe_and_bad_path(tmp_path):
     from conftest import ROOT
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
 
     target = load_target(load_recipe(ROOT / "recipes/tiny_moe.yaml").target)
     assert target.num_layers == 4 and target.capture_layers == [0, 1, 2]

@@ -13,11 +13,11 @@ import torch
 
 from conftest import ROOT
 from dstrain.data.loader import Sample
-from dstrain.data.packing import pack_blocks
-from dstrain.decoding.session import TargetSession
-from dstrain.models.contract import spec_from_config
-from dstrain.models.registry import build_drafter
-from dstrain.recipe import load_recipe
+from dstrain.packing.blocks import pack_blocks
+from dstrain.eval.session import TargetSession
+from dstrain.drafters.contract import spec_from_config
+from dstrain.families.registry import build_drafter
+from dstrain.config.schema import load_recipe
 from dstrain.targets import load_target
 from dstrain.train.step import target_features
 

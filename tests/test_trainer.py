@@ -146,7 +146,7 @@ class FakeEngine:
 
 
 def saved(ckpt, *steps, keep=3):
-    from dstrain.train import checkpoint
+    from dstrain.runtime import checkpoint
 
     for step in steps:
         checkpoint.save(FakeEngine(), ckpt, step, {"step": step, "loader": {}}, keep, is_writer=True)
@@ -160,7 +160,7 @@ def truncate(ckpt, tag):
 
 def resume_tag(ckpt):
     """What a relaunch's rank 0 picks (launch.preflight), with the lines it says."""
-    from dstrain.train import checkpoint
+    from dstrain.runtime import checkpoint
 
     lines = []
     return checkpoint.select(ckpt, say=lines.append, quarantine_damaged=True), lines
@@ -170,7 +170,7 @@ def test_damaged_newest_checkpoint_is_moved_aside_once_and_latest_names_the_good
     """select() on a folder whose newest checkpoint is truncated resumes from the one before, moves the damaged one to
     checkpoints/rejected/ in the same one line, and points `latest` at the good one; asked again, it says nothing and
     picks the same. A second process finding it already moved is no error. Readers (export, eval) only pass over it."""
-    from dstrain.train import checkpoint
+    from dstrain.runtime import checkpoint
 
     ckpt = tmp_path / "checkpoints"
     saved(ckpt, 4, 8, 12)

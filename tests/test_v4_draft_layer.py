@@ -1,4 +1,4 @@
-"""The V4-native draft layer (models/v4_draft_layer.py) against transformers' DeepseekV4DecoderLayer, fp32.
+"""The V4-native draft layer (families/deepseek_v4/draft_layer.py) against transformers' DeepseekV4DecoderLayer, fp32.
 
 What is compared: one draft step of one layer, as the engines run it. transformers' layer is configured sliding-only
 (layer_types ["sliding_attention"]: compress ratio 0, no compressor or indexer) and holds the same random weights as
@@ -17,8 +17,8 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4DecoderLayer, DeepseekV4RotaryEmbedding,
                                                                   apply_rotary_pos_emb)
 
-from dstrain.models.v4_draft_layer import V4DraftDims, V4DraftLayer, draft_mask
-from dstrain.targets.deepseek_v4 import rope_of
+from dstrain.families.deepseek_v4.draft_layer import V4DraftDims, V4DraftLayer, draft_mask
+from dstrain.families.deepseek_v4.target import rope_of
 
 GAMMA, WINDOW = 4, 8
 CFG = dict(hidden_size=64, num_attention_heads=4, head_dim=32, partial_rotary_factor=0.5, q_lora_rank=32,
@@ -157,7 +157,7 @@ def test_state_dict_speaks_v4_release_names():
 def test_rope_tables_move_with_the_module_and_stay_fp32():
     """A V4 draft layer's (and the V4 target's) RoPE frequencies are a buffer of the module: on a device (meta here)
     a call copies nothing from the host, a bf16 module keeps them exact, and no checkpoint holds them."""
-    from dstrain.blocks.v4 import Rope
+    from dstrain.families.deepseek_v4.blocks import Rope
     from dstrain.train.step_counters import CrossDeviceCopies
 
     rope = Rope.default(16, 10000.0)

@@ -1,4 +1,4 @@
-"""The V4-native DSpark drafter (models/v4_drafter.py), fp32 at tiny sizes:
+"""The V4-native DSpark drafter (families/deepseek_v4/drafter.py), fp32 at tiny sizes:
 
 - its state_dict is the engines' whole-drafter schema for 3 draft layers (the fixture's layer names under every
   mtp.{i}, main_proj / main_norm on mtp.0, norm / hc_head / Markov / confidence heads on the last index), shapes
@@ -18,10 +18,10 @@ import pytest
 import torch
 from transformers import DeepseekV4Config
 
-from dstrain.data.packing import pack_blocks
-from dstrain.models.contract import TargetSpec
-from dstrain.models.v4_draft_layer import draft_mask
-from dstrain.models.v4_drafter import V4BlockDrafter
+from dstrain.packing.blocks import pack_blocks
+from dstrain.drafters.contract import TargetSpec
+from dstrain.families.deepseek_v4.draft_layer import draft_mask
+from dstrain.families.deepseek_v4.drafter import V4BlockDrafter
 
 FIXTURE = Path(__file__).parent / "fixtures" / "engine_schema" / "deepseek_v4_dspark.json"
 GAMMA, WINDOW, LAYERS, RANK, CAPTURE, VOCAB, NOISE = 4, 8, 3, 16, 3, 128, 127
@@ -158,7 +158,7 @@ def test_training_forward_equals_propose_on_the_same_tokens():
 
 
 def test_trainer_loss_reaches_every_trainable_parameter():
-    from dstrain.recipe import LossConfig
+    from dstrain.config.schema import LossConfig
     from dstrain.train.step import TargetFeatures, draft_losses
 
     drafter, lm_head = make_drafter()
@@ -194,7 +194,7 @@ def test_settings_the_v4_layout_cannot_serve_are_refused(wrong, message):
 
 def test_bf16_drafter_trains_and_proposes():
     """A drafter cast whole to bf16 (as DeepSpeed's bf16 mode does, fp32 mHC and router tensors included) runs."""
-    from dstrain.recipe import LossConfig
+    from dstrain.config.schema import LossConfig
     from dstrain.train.step import TargetFeatures, draft_losses
 
     drafter, lm_head = make_drafter()

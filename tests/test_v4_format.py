@@ -1,4 +1,4 @@
-"""`--format deepseek-v4` (decoding/v4_format.py): a V4 DSpark drafter exported in DeepSeek-V4's layout and read back.
+"""`--format deepseek-v4` (families/deepseek_v4/export_format.py): a V4 DSpark drafter exported in DeepSeek-V4's layout and read back.
 
 Three tiny V4 hosts, as the target checkpoint the drafter is served beside: bf16; FP8 (32x32 blocks, so the 64-wide
 tensors span several blocks) with FP8 experts; FP8 with FP4 experts (V4-Flash's layout). The drafter exported is
@@ -30,10 +30,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dstrain.decoding import artifacts, v4_format
+from dstrain.export import artifacts
+from dstrain.families.deepseek_v4 import export_format as v4_format
 from dstrain.errors import UserError
-from dstrain.models.contract import spec_from_config
-from dstrain.models.v4_drafter import V4BlockDrafter
+from dstrain.drafters.contract import spec_from_config
+from dstrain.families.deepseek_v4.drafter import V4BlockDrafter
 from dstrain.targets.checkpoint import FP4_LUT
 from dstrain.targets.configs import load_config
 from dstrain.testing.tiny_checkpoints import write_checkpoint
@@ -207,10 +208,10 @@ def test_config_keys(hosts, tmp_path):
 
 
 def test_vllm_starts_the_export_at_gamma_5(hosts, tmp_path):
-    """vLLM's n_predict rule (decoding/engines.py, vllm-n-predict) on the written config at γ = 5, the release's block:
+    """vLLM's n_predict rule (export/engines.py, vllm-n-predict) on the written config at γ = 5, the release's block:
     the host's num_nextn_predict_layers (1) is kept, in the export and in a checkpoint the drafter is added to, so 5
     speculative tokens pass; n = 3 (one per draft layer) would be refused."""
-    from dstrain.decoding import engines
+    from dstrain.export import engines
 
     out, _ = v4_format.export(make_drafter(hosts["bf16"], cfg=drafter_cfg(block_size=5)), hosts["bf16"], tmp_path / "d", CAPTURE)
     config = json.loads((out / "config.json").read_text())
@@ -243,7 +244,7 @@ def test_released_drafter_in_a_checkpoint_imports_and_reexports(tmp_path, monkey
     """tiny_checkpoints.add_dspark's released drafter (mtp.* inside an FP8 / FP4-expert V4 checkpoint): init_from reads it within
     the stated error, read_artifact binds it to the checkpoint as its target, and the export path of `dstrain export`
     (registry build, frozen target, fingerprint) writes a folder that reads back to the same values."""
-    from dstrain.models import registry
+    from dstrain.families import registry
     from dstrain.testing.tiny_checkpoints import add_dspark
 
     host = write_checkpoint(tmp_path / "released", HOST, shards=2, fp8_block=BLOCK, expert_dtype="fp4")
@@ -273,7 +274,7 @@ def v4_artifact(state, **target) -> artifacts.DrafterArtifact:
 def test_other_formats_refuse_a_v4_drafter(fmt):
     with pytest.raises(UserError, match=r"^--format .*V4 DSpark drafter.*--format deepseek-v4$"):
         artifacts.check_export(v4_artifact({"mtp.0.main_proj.weight": torch.zeros(1)}), fmt)
-    from dstrain.decoding.formats import to_speculators
+    from dstrain.export.formats import to_speculators
 
     with pytest.raises(UserError, match="--format deepseek-v4"):  # behind the check too
         to_speculators(SimpleNamespace(mtp=[]), None, None, CAPTURE, {}, LAYERS)

@@ -11,11 +11,11 @@ import torch
 from conftest import ROOT
 from tiny_configs import TINY
 from dstrain.errors import UserError
-from dstrain.models.block_drafter import BlockDrafter
-from dstrain.models.contract import spec_from_config
-from dstrain.models.registry import build_drafter
-from dstrain.models.v4_drafter import V4BlockDrafter
-from dstrain.recipe import DrafterConfig, load_recipe
+from dstrain.drafters.block import BlockDrafter
+from dstrain.drafters.contract import spec_from_config
+from dstrain.families.registry import build_drafter
+from dstrain.families.deepseek_v4.drafter import V4BlockDrafter
+from dstrain.config.schema import DrafterConfig, load_recipe
 from dstrain.targets.configs import config_from_dict
 from tiny_configs import TINY
 
@@ -83,7 +83,7 @@ def test_a_dumped_v4_config_reads_back_and_builds():
 
 @pytest.mark.parametrize("name", ["v4_flash", "v4_pro"])
 def test_shipped_v4_recipes_train_the_v4_drafter_and_the_plan_counts_it(name):
-    from dstrain.flops import meta_drafter, step_flops
+    from dstrain.sim.flops import meta_drafter, step_flops
     from dstrain.targets.configs import size_target
 
     recipe = load_recipe(ROOT / f"recipes/{name}.yaml", ["data.shards=x"])
@@ -138,7 +138,7 @@ def test_feature_cache_namespace_of_a_target_without_streams_ignores_the_readout
     the readout version existed (its cached epochs stay hits when the version moves), an mHC target's follows it.
     Mutation caught: the readout version in every namespace (a bump re-ran a cached SmolLM2 epoch: 0.73 of the step
     waiting on the target)."""
-    from dstrain.recipe import TargetConfig
+    from dstrain.config.schema import TargetConfig
     from dstrain.targets import hf
     from dstrain.testing.tiny_checkpoints import write_checkpoint
     from dstrain.train.feature_store import FORMAT_VERSION, has_streams, namespace_of
@@ -199,7 +199,7 @@ def test_an_artifact_without_a_backbone_key_rebuilds_the_backbone_its_weights_ha
     rebuilt as V4's own (auto), and a V4 one must not become generic; the weights' names decide."""
     from pathlib import Path
 
-    from dstrain.decoding.artifacts import DrafterArtifact, drafter_config
+    from dstrain.export.artifacts import DrafterArtifact, drafter_config
 
     keys = {k: v for k, v in V4_KEYS.items() if k != "ffn"}
     generic = DrafterArtifact("old", Path("old"), dict(keys), {}, {"layers.0.attn.q_proj.weight": torch.zeros(1)})

@@ -75,7 +75,7 @@ def train(tmp_path, name, shards, monkeypatch, mode: str, *extra: str, warm: boo
 def test_warm_up_compiles_every_bucket_before_the_first_step(tmp_path, shards, monkeypatch, eager_compile):
     """train.compile=step: the warm-up runs every length bucket of data.max_length before the first step, and the
     steps, which meet several buckets, compile nothing (dynamo's graph count does not move inside a step)."""
-    from dstrain.data.packing import length_buckets
+    from dstrain.packing.blocks import length_buckets
     from dstrain.train import compiling
 
     warmed = []

@@ -11,7 +11,7 @@ def flex_check(args, context: int, anchors: int) -> dict:
     the trainer's on CUDA) against BlockGroups (SDPA): the loss and, where flex has a backward (CUDA), every gradient."""
     from bench_train import packed_step, setup
 
-    from dstrain.recipe import LossConfig
+    from dstrain.config.schema import LossConfig
 
     results = []
     for flex in (False, True):

@@ -51,7 +51,7 @@ def count_point(args, path: str, context: int, window, anchors: int) -> dict:
     from bench_train import packed_step, rss_mb, setup
     from bench_train_refs import reference_step
 
-    from dstrain.recipe import LossConfig
+    from dstrain.config.schema import LossConfig
     from dstrain.train.step_counters import StepCounter, needed_pairs, shape_diff
 
     torch.set_num_threads(args.threads)

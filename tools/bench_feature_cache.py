@@ -45,7 +45,7 @@ def corpus_shards(recipe_path: str, corpus: Path, samples: int, out: Path) -> Pa
     from dstrain.data import corpus as corpus_mod
     from dstrain.data.shards import build_shards
     from dstrain.data.tokenize import TokenizeConfig
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.targets import target_folder
 
     recipe = load_recipe(recipe_path)

@@ -53,7 +53,7 @@ def main() -> int:
 
     from dstrain.data.generators import ContinuousGenerator, Sampling, StaticGenerator
     from dstrain.data.records import BadDataReport, read_jsonl
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.targets import target_folder
 
     torch.set_num_threads(args.threads)

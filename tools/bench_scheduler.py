@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dstrain.serving.scheduler import async_capacity, admit_top_k, schedule, survival  # noqa: E402
+from dstrain.sim.scheduler import async_capacity, admit_top_k, schedule, survival  # noqa: E402
 
 
 def reference(surv: torch.Tensor, sps: torch.Tensor) -> list[int]:

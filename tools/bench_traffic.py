@@ -48,7 +48,7 @@ def chat_sample(length: int, answer_share: float, key: str, gen: torch.Generator
 
 
 def measure(recipe_path: str, sequences: int, answer_share: float) -> dict:
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.targets.configs import resolve_config
 
     r = load_recipe(recipe_path, [])

@@ -7,7 +7,7 @@ weights, sequences, anchors and target features (every path computes the same lo
             logits [N x d]@[d x V], draft logits, and the draft logits' backward into the hidden state
             [N x V]@[V x d] — timed in the packed step's process, at its N, dtype and device;
   packed    ours: the trainer's static anchor-bounded packing (fixed anchor slots per sequence), one attention call
-            per layer over BlockGroups (models/attention.py), the fused row-chunked vocabulary loss (dstrain/train/losses.py);
+            per layer over BlockGroups (layers/attention.py), the fused row-chunked vocabulary loss (dstrain/train/losses.py);
   fused     the same step with `train.compile: loss`: the vocabulary pass as one torch.compile'd kernel per chunk and
             the Markov bias folded into the draft GEMM (dstrain/train/vocab_fused.py); its compile time (the first,
             untimed call) is in the JSON (first_call_s);
@@ -76,12 +76,12 @@ def sync(device: torch.device) -> None:
 def setup(args, context: int, window: int | None, anchors: int, draw: int = 0, flex: bool | None = None):
     """The bench's drafter, LM head, packing and target features. `flex`: the attention layout (None: the trainer's
     choice, train.step.pack_step: flex_attention on CUDA without a window, BlockGroups otherwise)."""
-    from dstrain.data.anchors import anchor_generator, anchor_slots
+    from dstrain.packing.anchors import anchor_generator, anchor_slots
     from dstrain.data.loader import Sample
-    from dstrain.data.packing import pack_blocks
-    from dstrain.models.contract import TargetSpec
-    from dstrain.models.registry import build_drafter
-    from dstrain.recipe import DrafterConfig, FFNConfig
+    from dstrain.packing.blocks import pack_blocks
+    from dstrain.drafters.contract import TargetSpec
+    from dstrain.families.registry import build_drafter
+    from dstrain.config.schema import DrafterConfig, FFNConfig
     from dstrain.train.losses import default_chunk_rows, plan_vocab_chunks
 
     device, dtype, size = torch.device(args.device), DTYPES[args.dtype], SIZES[args.sizes]
@@ -168,8 +168,8 @@ def floor_measure(lm_head, positions: int, repeats: int) -> dict:
 def measure(args, path: str, context: int, window: int | None, anchors: int) -> dict:
     """One (path, anchors, window, context) measurement; the packed path also times the floor at its N."""
     from bench_train_refs import reference_step
-    from dstrain.recipe import LossConfig
-    from dstrain.train import losses
+    from dstrain.config.schema import LossConfig
+    from dstrain.train import vocab_gemm
 
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -199,7 +199,7 @@ def measure(args, path: str, context: int, window: int | None, anchors: int) -> 
         row["sync_debug"] = bench_checks.sync_debug_steps(run_quiet, 10)
     if path == "packed":
         row["loss_gemms"] = ("bf16 operands, fp32 output" if device.type == "cuda" and args.dtype == "bf16"
-                             and losses._MM_OUT_FP32["ok"] else "fp32")
+                             and vocab_gemm.MM_OUT_FP32["ok"] else "fp32")
         row["floor"] = floor_measure(lm_head, positions, args.repeats)
     return row
 
@@ -243,7 +243,7 @@ def profile(args, context: int, window: int | None, anchors: int) -> None:
     """One packed step under torch.profiler: where the time goes, by category and by operator (self time)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from dstrain.recipe import LossConfig
+    from dstrain.config.schema import LossConfig
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)

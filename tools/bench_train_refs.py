@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 
 def _backbone(drafter, packed, captured, context: int, window):
-    from dstrain.models.layers import rope
+    from dstrain.layers.transformer import rope
 
     device = captured.device
     n, gamma = packed.block_tokens.shape

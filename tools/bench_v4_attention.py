@@ -2,7 +2,7 @@
 """Peak memory of DeepSeek-V4 attention at long T: dstrain's megatron module against a dense-score implementation.
 
 The dense one is transformers' own DeepseekV4Attention (eager: a [T × T] sliding-window mask, [heads × T × (T + T/m)]
-scores, their softmax copies). dstrain's (blocks/v4.py sparse_attention) scores query blocks against their window
+scores, their softmax copies). dstrain's (families/deepseek_v4/blocks.py sparse_attention) scores query blocks against their window
 and their compressed entries only. Both run one forward of the same weights on the same input, each in a fresh
 child process, for a CSA layer (indexer top-k) and an HCA layer of a tiny-width V4 (V4-Flash's window 128, rates
 4 / 128, top-512; hidden 32, 4 heads of 16); the peak is the child's max RSS growth during the forward. Outputs are
@@ -57,7 +57,7 @@ def child(impl: str, layer: int, seq: int, folder: str, out: str) -> None:
     if impl == "dense":
         from transformers.masking_utils import create_sliding_window_causal_mask
 
-        from dstrain.targets import v4_attention
+        from dstrain.families.deepseek_v4 import attention as v4_attention
 
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         attn = hf.model.layers[layer].self_attn
@@ -71,7 +71,7 @@ def child(impl: str, layer: int, seq: int, folder: str, out: str) -> None:
         from dstrain.targets.checkpoint import CheckpointReader
         from dstrain.targets.configs import load_config
         from dstrain.targets.megatron import MegatronTarget
-        from dstrain.targets.v4_model import Context
+        from dstrain.families.deepseek_v4.model import Context
         from dstrain.runtime.world import Layout, target_process_groups
 
         dist.init_process_group("gloo", init_method="file://" + out + ".pg", rank=0, world_size=1)

@@ -130,8 +130,8 @@ def prepare_data(args, out: Path) -> dict:
     from dstrain.data import corpus
     from dstrain.data.shards import build_shards
     from dstrain.data.tokenize import TokenizeConfig
-    from dstrain.decoding import prompts as P
-    from dstrain.recipe import load_recipe
+    from dstrain.eval import prompts as P
+    from dstrain.config.schema import load_recipe
     from dstrain.targets.smollm2 import dense_folder
 
     folder = dense_folder()

@@ -80,7 +80,7 @@ def _widen(hf) -> None:
 
 
 def parity(args) -> int:
-    from dstrain.targets import v4_attention
+    from dstrain.families.deepseek_v4 import attention as v4_attention
     from dstrain.targets.checkpoint import CheckpointReader
     from dstrain.targets.hf import HFTarget, random_model
     from dstrain.targets.megatron import MegatronTarget

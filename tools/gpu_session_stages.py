@@ -177,8 +177,8 @@ def step_buckets(overrides: list[str]) -> list[int]:
     """The length bucket each step's micro-batch pads to, from the loader the trainer builds (same recipe, seed,
     shuffle): the metrics do not record it."""
     from dstrain.data.loader import ShardLoader
-    from dstrain.data.packing import length_bucket
-    from dstrain.recipe import load_recipe
+    from dstrain.packing.blocks import length_bucket
+    from dstrain.config.schema import load_recipe
 
     r = load_recipe(str(ROOT / RECIPE), overrides)
     stream = iter(ShardLoader(r.data.shards, seed=r.run.seed, shuffle=r.data.shuffle, max_length=r.data.max_length))

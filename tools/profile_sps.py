@@ -32,8 +32,8 @@ def main() -> int:
     import torch
     from tqdm import tqdm
 
-    from dstrain.serving import sps as S
-    from dstrain.recipe import load_recipe
+    from dstrain.sim import sps as S
+    from dstrain.config.schema import load_recipe
     from dstrain.targets import load_target
 
     recipe = load_recipe(args.recipe)

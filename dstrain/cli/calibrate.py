@@ -30,9 +30,9 @@ def heldout_prompts(count: int, seed: int) -> list[dict]:
 def rollouts_from_decoding(args, art, target, drafter) -> dict:
     import torch
 
-    from dstrain.decoding import prompts as P
-    from dstrain.decoding.evaluation import Candidate, run_domain
-    from dstrain.decoding.decode import LengthPolicy
+    from dstrain.eval import prompts as P
+    from dstrain.eval.evaluation import Candidate, run_domain
+    from dstrain.eval.decode import LengthPolicy
     tokenizer = P.load_tokenizer(art.target_cfg)
     records = P.prompt_file(args.prompts)[0] if args.prompts else heldout_prompts(args.count, args.seed)
     ids = P.encode(records, tokenizer, target.vocab_size)
@@ -67,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dstrain.decoding import artifacts, plots
-    from dstrain.decoding.metrics import calibration_table, cumulative, fit_sts, threshold_sweep
+    from dstrain.export import artifacts
+    from dstrain.eval import plots
+    from dstrain.eval.metrics import calibration_table, cumulative, fit_sts, threshold_sweep
 
     art = artifacts.read_artifact(args.drafter, None, args.recipe)
     if not art.drafter_cfg.get("confidence"):

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{out} exists; remove it first if the packed corpus should replace it")
         print(f"{out}: {corpus.unpack(folder, out)} records")
         return 0
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.targets import target_folder
 
     recipe = load_recipe(args.recipe)

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         folder, dtype = args.target_dir, "float32"
         if args.recipe:
-            from dstrain.recipe import load_recipe
+            from dstrain.config.schema import load_recipe
             from dstrain.targets import target_folder
 
             recipe = load_recipe(args.recipe)

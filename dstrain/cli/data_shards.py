@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     max_length, folder, name = args.max_length, args.tokenizer, args.target_name
     where = f"--tokenizer {folder}"  # what a tokenizer that fails to load is blamed on
     if args.recipe:
-        from dstrain.recipe import load_recipe
+        from dstrain.config.schema import load_recipe
 
         recipe = load_recipe(args.recipe)
         if not folder:
@@ -75,7 +75,7 @@ def recipe_tokenizer(recipe_path: str, target) -> tuple[str, str]:
                         " tokenizer; give --tokenizer FOLDER too, or a recipe whose target has one"
                         " (target.source=path with target.path set, or smollm2_moe)")
     if target.source == "path" and not Path(folder).is_dir():  # a copied recipe whose target.path is not edited yet
-        from dstrain.targets.hub import looks_like_hub_id, not_found_message
+        from dstrain.config.hub import looks_like_hub_id, not_found_message
 
         if looks_like_hub_id(folder):
             raise UserError(not_found_message(folder))

@@ -33,7 +33,7 @@ def tau_agreement(held_out: dict, benchmark: dict, totals: tuple[dict, dict] | N
     benchmarks (same macro τ within `tolerance`)? Per domain too: math ↔ GSM8K, code ↔ HumanEval, chat ↔ MT-Bench.
     `totals`: each side's per-prompt {domain: (tokens, rounds)}, for 95 % bootstrap intervals of both macro τ and of
     their ratio (the two prompt sets are independent, so each is resampled on its own)."""
-    from dstrain.decoding.bootstrap import macro_samples, percentiles
+    from dstrain.eval.bootstrap import macro_samples, percentiles
 
     h, b = (next(iter(r["drafters"].values())) for r in (held_out, benchmark))
     ratio = h["macro_tau"] / b["macro_tau"]
@@ -53,7 +53,7 @@ def rollout_totals(eval_dir: Path) -> dict:
     """Per-prompt (tokens, rounds) of each domain from `dstrain eval`'s rollouts.pt (one drafter)."""
     import torch
 
-    from dstrain.decoding.bootstrap import prompt_totals
+    from dstrain.eval.bootstrap import prompt_totals
 
     rollouts = next(iter(torch.load(eval_dir / "rollouts.pt", weights_only=False).values()))
     return {d: prompt_totals(logs) for d, logs in rollouts.items()}
@@ -91,9 +91,9 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from dstrain.data import corpus
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
 
-    from dstrain.recipe_files import resolve_recipe_path
+    from dstrain.config.files import resolve_recipe_path
 
     # every input is checked before anything is written; the recipe and the corpus are found from any folder
     args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))
@@ -184,7 +184,7 @@ def _run(args, recipe, data_dir: Path, run_dir: Path) -> int:
 
     evaluations = [("held_out", held_prompts, args.eval_prompts, "held-out τ (corpus mix, never trained on")]
     if args.bench_prompts:
-        from dstrain.decoding.prompts import sampled_benchmark_prompts
+        from dstrain.eval.prompts import sampled_benchmark_prompts
 
         bench_prompts = data_dir / "benchmark_prompts.jsonl"
         drawn = sampled_benchmark_prompts(["math", "code", "chat"], args.bench_prompts, 0)

@@ -14,11 +14,11 @@ def run(args: argparse.Namespace) -> int:
     from dstrain.errors import UserError
 
     try:
-        from dstrain.docs_gen import recipe_reference
+        from dstrain.cli.reference_docs import recipe_reference
     except ModuleNotFoundError as exc:
-        if exc.name != "dstrain.docs_gen":
+        if exc.name != "dstrain.cli.reference_docs":
             raise
-        raise UserError("dstrain docs recipes: this installation lacks dstrain/docs_gen.py, which generates the reference; "
+        raise UserError("dstrain docs recipes: this installation lacks dstrain/cli/reference_docs.py, which generates the reference; "
                         "update dstrain") from None
     text = recipe_reference()
     print(text, end="" if text.endswith("\n") else "\n")

@@ -46,8 +46,8 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
 
 def load_candidates(specs: list[str], recipe: str | None, gamma: int | None, device: str = "cpu", target_path: str | None = None):
     from dstrain.errors import UserError
-    from dstrain.decoding import artifacts
-    from dstrain.decoding.evaluation import Candidate
+    from dstrain.export import artifacts
+    from dstrain.eval.evaluation import Candidate
 
     arts = []
     for spec in specs:
@@ -75,7 +75,7 @@ def load_candidates(specs: list[str], recipe: str | None, gamma: int | None, dev
 def check_given_target(arts, target, target_path: str) -> None:
     """--target FOLDER against what each drafter was trained with: exports carry the fingerprint of the target's
     embedding and LM head (checked in artifacts.build); for run folders it is read from the recipe's own target."""
-    from dstrain.decoding import artifacts
+    from dstrain.export import artifacts
     from dstrain.errors import UserError
 
     have = artifacts.fingerprint(target)
@@ -96,16 +96,17 @@ def check_given_target(arts, target, target_path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dstrain.decoding import plots, prompts as P
-    from dstrain.decoding.decode import LengthPolicy
-    from dstrain.decoding.evaluation import evaluate, markdown
+    from dstrain.eval import plots
+    from dstrain.eval import prompts as P
+    from dstrain.eval.decode import LengthPolicy
+    from dstrain.eval.evaluation import evaluate, markdown
 
     if args.sps and args.threshold is not None:
         from dstrain.errors import UserError
 
         raise UserError("--sps and --threshold are two length policies: pick one")
     if args.sps:
-        from dstrain.serving.sps import load_table
+        from dstrain.sim.sps import load_table
 
         policy = LengthPolicy("scheduler", sps=load_table(args.sps)[0])
     else:

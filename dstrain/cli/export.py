@@ -5,7 +5,7 @@ writes the layout vLLM's speculators loader reads (DSpark / DFlash drafters trai
 drafter.mask_token_id set, a dense FFN and no mHC); dstrain eval and dstrain calibrate read either. --engine names the
 program that will load it (vLLM, SGLang, or the speculators library): what no release of it can load is refused in one
 line before any weights load; then each engine's verdict on this drafter and this target is printed (loads / refuses /
-version-bound, each with the rule and its source, dstrain/decoding/engines.py) with vLLM's --speculative-config.
+version-bound, each with the rule and its source, dstrain/export/engines.py) with vLLM's --speculative-config.
 
   dstrain export runs/smollm2-moe-dspark exports/smollm2-moe-dspark
 
@@ -38,19 +38,19 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3", "deepseek-v4"],
                     help="dstrain: our own folder; speculators: the format vLLM loads (DSpark, DFlash, Eagle3, MTP-1); deepspec: "
                          "the DSpark layout SGLang's DSparkDraftModel reads; sglang-eagle3: SGLang's own Eagle3 layout "
-                         "(see dstrain/decoding/formats.py); deepseek-v4: a V4 DSpark drafter as vLLM "
+                         "(see dstrain/export/formats.py); deepseek-v4: a V4 DSpark drafter as vLLM "
                          "DSparkDeepseekV4ForCausalLM (@ 03435722) and SGLang DeepseekV4ForCausalLMDSpark (@ 00e5caa8) "
-                         "load it, quantised like the target (dstrain/decoding/v4_format.py). Default: %(default)s")
+                         "load it, quantised like the target (dstrain/families/deepseek_v4/export_format.py). Default: %(default)s")
     ap.add_argument("--engine", choices=["vllm", "sglang", "speculators", "dstrain"],
                     help="the program that will load the export (default: the format's: speculators -> vllm, deepspec and "
                          "sglang-eagle3 -> sglang, deepseek-v4 -> vllm); what it cannot load is refused before any weights "
-                         "load; every engine's verdict on the target is printed after (dstrain/decoding/engines.py)")
+                         "load; every engine's verdict on the target is printed after (dstrain/export/engines.py)")
     ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
     return ap
 
 
 def run(args: argparse.Namespace) -> int:
-    from dstrain.decoding import artifacts
+    from dstrain.export import artifacts
 
     art = artifacts.read_artifact(args.run, None, args.recipe)
     written_for = artifacts.check_export(art, args.format, args.engine)
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported {art.drafter_cfg['type']} drafter ({params / 1e6:.2f}M weights, step {art.steps}) for {target.name} "
           f"[fingerprint {artifacts.fingerprint(target)}; {target.bytes_read / 2**20:.1f} MiB of the target read: embedding"
           f" and LM head], {sts} -> {out} ({args.format} format; {written_for})")
-    from dstrain.decoding.engines import export_lines
+    from dstrain.export.artifacts import export_lines
 
     for line in export_lines(art, target, out, args.format):
         print("  " + line)

@@ -20,6 +20,6 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from dstrain.plan import print_plan
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
 
     return print_plan(load_recipe(args.recipe, args.overrides), args.recipe)

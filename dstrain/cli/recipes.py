@@ -16,7 +16,7 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dstrain.recipe_files import describe, resolve_recipe_path, shipped_recipes
+    from dstrain.config.files import describe, resolve_recipe_path, shipped_recipes
 
     if args.path:
         if "/" in args.path:

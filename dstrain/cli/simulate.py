@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dstrain.serving.simulator import Simulator, traces_from_rollouts
-    from dstrain.serving.sps import load_table
-    from dstrain.decoding import plots
+    from dstrain.sim.simulator import Simulator, traces_from_rollouts
+    from dstrain.sim.sps import load_table
+    from dstrain.eval import plots
 
     sps, meta = load_table(args.sps)
     saved = torch.load(args.rollouts, weights_only=False) if Path(args.rollouts).is_file() else None

@@ -109,7 +109,7 @@ def make_config(args):
     out = Path(args.out).resolve()  # the training runs start in the repository root
     cache = None if args.no_feature_cache else Path(args.feature_cache) if args.feature_cache else out / "feature_cache"
     from dstrain.data.corpus import resolve as resolve_corpus
-    from dstrain.recipe_files import resolve_recipe_path
+    from dstrain.config.files import resolve_recipe_path
 
     args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))  # a file or a shipped recipe's name
     return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=resolve_corpus(args.corpus), families=families,
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from dstrain.data import corpus
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.reproduce import report, stages as S
     from dstrain.reproduce.out_lock import hold_out_folder
     from dstrain.targets import target_folder

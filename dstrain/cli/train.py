@@ -30,7 +30,7 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     if args.print_world:

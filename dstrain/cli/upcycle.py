@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from dstrain.targets.upcycle import upcycle
 
     if args.recipe:
-        from dstrain.recipe import load_recipe
+        from dstrain.config.schema import load_recipe
 
         target = load_recipe(args.recipe).target
         if target.source != "smollm2_moe":

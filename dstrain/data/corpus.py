@@ -142,7 +142,7 @@ def _records(folder: Path) -> bytes:
 def _check_prompts(folder: Path, man: dict) -> None:
     """prompts.jsonl as packed: an edited prompt would be evaluated under the split's name unnoticed. Under 1 MB, so
     hashed every time rather than leaving a cache file in a folder that git tracks."""
-    from dstrain.data.verify import verify_files
+    from dstrain.verify import verify_files
 
     entry = {"file": "prompts.jsonl", "bytes": man["bytes"]["prompts"], "sha256": man["sha256"]["prompts.jsonl"]}
     verify_files(folder, [entry], what="corpus file", listed_in=str(folder / "manifest.json"), cache=None,

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from dstrain.data.shards import MANIFEST, SCHEMA_VERSION, read_tar
-from dstrain.data.verify import verify_files
+from dstrain.verify import verify_files
 from dstrain.errors import UserError
 
 

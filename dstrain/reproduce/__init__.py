@@ -1,1 +1,1 @@
-"""tools/reproduce_table.py: the paper's τ table (families × domains) trained and evaluated under one budget."""
+"""The paper's τ table (families × domains): stages, per-run records, and the assembled report."""

@@ -84,7 +84,7 @@ class AnchorCounts:
     def __init__(self, recipe, stream: list, steps: int, gamma: int):
         import torch  # here, not at the top: `dstrain table --help` reads this module's family names
 
-        from dstrain.data.anchors import anchor_generator, block_labels, candidate_anchors
+        from dstrain.packing.anchors import anchor_generator, block_labels, candidate_anchors
 
         per_step = recipe.train.micro_batch_size * recipe.train.grad_accum
         self.cums = []

@@ -90,7 +90,7 @@ def overrides(cfg: S.Config, recipe, sizes: PaperSizes, family: str, seed: int, 
 
 def read_curve(run_dir: Path) -> dict:
     """Held-out τ at every evaluation during training (eval.jsonl, per-prompt totals) and training τ̂, by step."""
-    from dstrain.decoding.bootstrap import macro_interval
+    from dstrain.eval.bootstrap import macro_interval
 
     import torch
 

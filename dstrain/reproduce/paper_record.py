@@ -55,7 +55,7 @@ def machine() -> dict:
 
 
 def _totals(ev: S.Evaluator, cand, records: list[dict], batch: int, max_new: int) -> dict:
-    from dstrain.decoding.bootstrap import prompt_totals
+    from dstrain.eval.bootstrap import prompt_totals
 
     by_domain = ev.prompts(records)
     res, rollouts = ev.run(cand, by_domain, batch, max_new, PROTOCOL_SEED)
@@ -69,7 +69,7 @@ def _totals(ev: S.Evaluator, cand, records: list[dict], batch: int, max_new: int
 
 def evaluate_best(cfg: S.Config, ev: S.Evaluator, sizes, name: str, target: str, train_key: str, clock: S.Clock) -> dict:
     """The best checkpoint on the full held-out set and on the benchmarks; each stage stored and reused by key."""
-    from dstrain.decoding.prompts import sampled_benchmark_prompts
+    from dstrain.eval.prompts import sampled_benchmark_prompts
     from dstrain.train.live_eval import held_out_records
 
     run_dir = cfg.out / "runs" / name

@@ -25,7 +25,7 @@ def make_config(args, sizes):
         if not torch.cuda.is_available():
             raise UserError("--device cuda: torch sees no GPU here; run with --device cpu")
     from dstrain.data.corpus import resolve as resolve_corpus
-    from dstrain.recipe_files import resolve_recipe_path
+    from dstrain.config.files import resolve_recipe_path
 
     args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))  # a file or a shipped recipe's name
     out = Path(args.out).resolve()
@@ -71,7 +71,7 @@ def run_paper(args) -> int:
     from transformers import AutoConfig
 
     from dstrain.data import corpus
-    from dstrain.recipe import load_recipe
+    from dstrain.config.schema import load_recipe
     from dstrain.reproduce import paper as PP, paper_record, paper_table, stages as S
     from dstrain.reproduce.out_lock import hold_out_folder
     from dstrain.targets import target_folder

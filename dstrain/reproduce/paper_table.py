@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dstrain.decoding.bootstrap import macro_interval, pooled_paired_difference, ratio_interval
+from dstrain.eval.bootstrap import macro_interval, pooled_paired_difference, ratio_interval
 from dstrain.reproduce.paper import PAPER_FAMILIES, run_name
 from dstrain.reproduce.paper_record import PROTOCOL_SEED, check_one_protocol, totals
 from dstrain.reproduce.report import BENCH

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from dstrain.decoding.bootstrap import macro_interval, paired_difference, pooled_paired_difference, ratio_interval
+from dstrain.eval.bootstrap import macro_interval, paired_difference, pooled_paired_difference, ratio_interval
 
 BENCH = {"math": "GSM8K", "code": "HumanEval", "chat": "MT-Bench t1"}
 RISING = 0.02  # held-out τ gained over the last curve segment that counts as "still rising"
@@ -251,7 +251,7 @@ def plots(res: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dstrain.decoding import plots as P
+    from dstrain.eval import plots as P
 
     fams, domains = res["families"], res["domains"]
     groups = [BENCH[d] for d in domains] + ["macro"]

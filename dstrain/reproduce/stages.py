@@ -275,7 +275,8 @@ class Evaluator:
         if self._target is None:
             import yaml
 
-            from dstrain.decoding import artifacts, prompts as P
+            from dstrain.export import artifacts
+            from dstrain.eval import prompts as P
 
             tree = yaml.safe_load((self.run_dir / artifacts.RUN_RECIPE).read_text())
             art = artifacts.DrafterArtifact("base", self.run_dir, tree["drafter"], tree["target"], {}, None,
@@ -289,8 +290,8 @@ class Evaluator:
     def candidate(self, run_dir: Path, name: str, tag: str):
         import yaml
 
-        from dstrain.decoding import artifacts
-        from dstrain.decoding.evaluation import Candidate
+        from dstrain.export import artifacts
+        from dstrain.eval.evaluation import Candidate
         from dstrain.targets.hf import HFTarget
 
         tree = yaml.safe_load((run_dir / artifacts.RUN_RECIPE).read_text())
@@ -303,7 +304,7 @@ class Evaluator:
                          None, own if own is not t else None)
 
     def prompts(self, records: list[dict]) -> dict[str, list[list[int]]]:
-        from dstrain.decoding import prompts as P
+        from dstrain.eval import prompts as P
 
         by_domain: dict[str, list[list[int]]] = {}
         vocab = self.target.vocab_size  # loads the target (and tokenizer) if not yet
@@ -313,8 +314,8 @@ class Evaluator:
 
     def run(self, cand, by_domain: dict, batch: int, max_new: int, seed: int) -> tuple[dict, dict]:
         """T = 1, every draft verified (the paper's offline protocol: no confidence scheduler)."""
-        from dstrain.decoding.decode import LengthPolicy
-        from dstrain.decoding.evaluation import evaluate
+        from dstrain.eval.decode import LengthPolicy
+        from dstrain.eval.evaluation import evaluate
 
         torch.manual_seed(seed)
         target = self.target
@@ -334,8 +335,8 @@ def curve_key(cfg: Config, train_key: str) -> str:
 
 def curve_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock: Clock) -> dict:
     """Held-out τ (corpus prompts of the training mix, never trained on) at each kept checkpoint, with its interval."""
-    from dstrain.decoding import prompts as P
-    from dstrain.decoding.bootstrap import macro_interval, prompt_totals
+    from dstrain.eval import prompts as P
+    from dstrain.eval.bootstrap import macro_interval, prompt_totals
 
     run_dir = cfg.out / "runs" / family
     key = curve_key(cfg, train["key"])
@@ -367,7 +368,7 @@ def curve_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock: Cl
 def position_totals(logs: dict, prompts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per prompt: rounds that verified position k with positions 1..k−1 accepted, and those that accepted it — the
     conditional acceptance at k as a ratio of per-prompt sums, so it bootstraps like τ."""
-    from dstrain.decoding.metrics import position_events
+    from dstrain.eval.metrics import position_events
 
     request = logs["request"].long()
     reached, hit = position_events(logs["proposed"], logs["accepted"], k)
@@ -377,8 +378,8 @@ def position_totals(logs: dict, prompts: int, k: int) -> tuple[torch.Tensor, tor
 
 def evaluate_family(cfg: Config, ev: Evaluator, family: str, train: dict, clock: Clock) -> dict:
     """The benchmark τ of the final checkpoint; per-prompt totals kept for the bootstrap."""
-    from dstrain.decoding import prompts as P
-    from dstrain.decoding.bootstrap import prompt_totals
+    from dstrain.eval import prompts as P
+    from dstrain.eval.bootstrap import prompt_totals
 
     key = key_of({"train": train["key"], "prompts": cfg.eval_prompts, "new": cfg.max_new_tokens, "batch": cfg.batch,
                   "seed": cfg.seed, "temperature": 1.0, "sampling": "stratified-random", "totals": "pos1"})

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dstrain.data.loader import Sample
-from dstrain.data.packing import PackedBlocks
+from dstrain.packing.blocks import PackedBlocks
 from dstrain.devices import on_cuda
 
 HEADER_WORDS = 16

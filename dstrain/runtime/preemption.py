@@ -58,6 +58,9 @@ def _on_stop(signum, _frame) -> None:
 def install() -> None:
     """On every rank, from the main thread, before anything slow: USR1's default action would end the process
     without a checkpoint."""
+    from dstrain.runtime import watchdog
+
+    watchdog.on_peer_stop(lambda signum: stop_requested(signum, from_peer=True))
     signal.signal(NOTICE, _on_notice)
     for s in STOPS:
         signal.signal(s, _on_stop)

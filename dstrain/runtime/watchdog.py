@@ -55,6 +55,12 @@ STUCK_MARGIN_S = 3.0  # a stuck-but-alive verdict waits this much longer than a 
 WAITING = frozenset({"recv", "send", "barrier", "resume", "done"})  # phases that wait on other ranks
 COMPILE = "compile"  # held to its own bound (Progress.compile_bound), not to the step times
 _STATE: dict = {}
+# What a peer's stop signal does on this rank: preemption.install sets its handler (this module stays below it).
+_PEER_STOP = {"handler": lambda signum: None}
+
+
+def on_peer_stop(handler) -> None:
+    _PEER_STOP["handler"] = handler
 
 
 def _store():
@@ -288,9 +294,7 @@ def _watch(rank: int, size: int, describe) -> None:
             if not verdict and _STATE["serves_target"] and store.check([PREEMPTED]):
                 _leave_preempted(store)
             if not verdict and store.check([STOP]):
-                from dstrain.runtime import preemption
-
-                preemption.stop_requested(int(store.get(STOP).decode()), from_peer=True)
+                _PEER_STOP["handler"](int(store.get(STOP).decode()))
             now = time.monotonic()
             culprits, stuck, failed, signalled, to_kill = [], [], [], [], []
             silent_any = 0.0

@@ -3,7 +3,7 @@
 Colocated (default): every rank is a data-parallel replica holding a target and a drafter.
 Disaggregated: ranks [0, D) are DeepSpeed drafter workers and ranks [D, D+T) serve the frozen target
 (T = tp·pp·dp, megatron order tp fastest, then data-parallel replica, then pipeline stage). Drafters
-come first so that DeepSpeed's notion of "rank 0" is a drafter (see train/ds_glue.py); on a multi-node
+come first so that DeepSpeed's notion of "rank 0" is a drafter (see train/deepspeed_setup.py); on a multi-node
 launch the first nodes run drafters. With world.ranks_per_node set, D and T are each whole nodes and tp divides
 the node size, so every TP group sits inside one node, drafters never share a node with target ranks, and the
 drafter count moves the target by whole nodes only (tests/test_placement.py). Drafter j is fed by target replica j mod dp; inside a replica, the tensor-rank-0 process of every pipeline

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dstrain.targets.base import TargetBackend, TargetOutput, default_capture_layers
 
-__all__ = ["TargetBackend", "TargetOutput", "checkpoint_folder", "default_capture_layers", "load_target", "target_folder"]
+__all__ = ["TargetBackend", "TargetOutput", "checkpoint_folder", "colocated_target", "default_capture_layers", "load_target", "target_folder"]
 
 
 def target_folder(target) -> str | None:
@@ -27,6 +27,13 @@ def checkpoint_folder(target, seed: int = 0) -> str:
 
         return str(random_target_folder(target.hf_config, seed))
     return target_folder(target)
+
+
+def colocated_target(target, seed: int, device) -> TargetBackend:
+    """load_target, built on the CPU (the same weights for a seed on any device), then moved to `device`."""
+    loaded = load_target(target, seed=seed)
+    loaded.model.to(device)
+    return loaded
 
 
 def load_target(target, seed: int = 0) -> TargetBackend:

@@ -11,7 +11,7 @@ import importlib
 
 from dstrain.errors import UserError
 
-GPT = "dstrain.targets.megatron_weights"  # the module is the adapter: its functions are the protocol's methods
+GPT = "dstrain.families.gpt.target"  # the module is the adapter: its functions are the protocol's methods
 
 ADAPTERS: dict[str, str] = {
     "llama": GPT,
@@ -20,8 +20,8 @@ ADAPTERS: dict[str, str] = {
     "qwen3": GPT,
     "mixtral": GPT,
     "qwen3_moe": GPT,
-    "deepseek_v3": "dstrain.targets.deepseek_v3:ADAPTER",
-    "deepseek_v4": "dstrain.targets.deepseek_v4:ADAPTER",  # its own megatron model (v4_model.py), not a GPTModel
+    "deepseek_v3": "dstrain.families.deepseek_v3.target:ADAPTER",
+    "deepseek_v4": "dstrain.families.deepseek_v4.target:ADAPTER",  # its own megatron model (v4_model.py), not a GPTModel
 }
 
 

@@ -44,3 +44,12 @@ def weights_fingerprint(folder: str | Path) -> str:
     for path in files:
         _file_digest(path, h)
     return h.hexdigest()[:16]
+
+
+def head_fingerprint(target) -> str:
+    """sha256 over the frozen embedding and LM head (shape, then fp32 bytes): what a drafter is bound to."""
+    h = hashlib.sha256()
+    for w in (target.embedding.weight, target.lm_head.weight):
+        h.update(str(tuple(w.shape)).encode())
+        h.update(w.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

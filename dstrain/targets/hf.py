@@ -56,7 +56,7 @@ class HFTarget:
     @property
     def masked_cache_ok(self) -> bool:
         """Whether speculative decoding may keep rejected drafts in a DynamicCache behind a 2-D mask
-        (decoding/session.py). Not for DeepSeek-V4: its caches slide and compress, so a masked slot would push real
+        (eval/session.py). Not for DeepSeek-V4: its caches slide and compress, so a masked slot would push real
         ones out of the window and enter the compressed entries; its session recomputes the prefix instead."""
         return self.model.config.model_type != "deepseek_v4"
 

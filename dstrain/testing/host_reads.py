@@ -176,7 +176,7 @@ def cuda_branches(device_type: str = "meta"):
     import torch.utils._foreach_utils as foreach_utils
 
     from dstrain import devices
-    from dstrain.models import attention
+    from dstrain.layers import attention
     from dstrain.train import losses
 
     from torch.utils._device import _device_constructors

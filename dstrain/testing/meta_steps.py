@@ -66,8 +66,8 @@ def drafter_configs() -> list[StepConfig]:
 def _recipe(cfg: StepConfig):
     import yaml
 
-    from dstrain.recipe import load_recipe, parse_recipe
-    from dstrain.recipe_files import resolve_recipe_path
+    from dstrain.config.schema import load_recipe, parse_recipe
+    from dstrain.config.files import resolve_recipe_path
 
     path = resolve_recipe_path("tiny_moe")
     recipe = load_recipe(path, cfg.overrides())
@@ -96,8 +96,8 @@ def _meta_modules(cfg: StepConfig, recipe, dtype: torch.dtype):
     """(target spec, embedding, LM head, drafter) built on meta in `dtype`; the V4 backbone on a tiny V4 config."""
     from transformers import AutoConfig, DeepseekV4Config
 
-    from dstrain.models.contract import TargetSpec
-    from dstrain.models.registry import build_drafter
+    from dstrain.drafters.contract import TargetSpec
+    from dstrain.families.registry import build_drafter
 
     if cfg.backbone == "v4":
         tcfg = DeepseekV4Config(**_V4_TINY)
@@ -146,7 +146,7 @@ def channel_rows() -> HostReads:
     """The channel's row handling on both sides, on meta: the target side picks the streamed rows out of its padded
     outputs (target_role.streamed_rows), the drafter side puts the stages' rows in capture order (Receiver.reorder)."""
     from dstrain.runtime.channel import Receiver
-    from dstrain.runtime.target_role import streamed_rows
+    from dstrain.train.target_role import streamed_rows
 
     meta = torch.device("meta")
     lengths = [40, 90, 17]
@@ -190,7 +190,7 @@ def trainer_step(cfg: StepConfig, micro_batches: int = 2) -> HostReads:
     from types import SimpleNamespace
 
     from dstrain.train.compiling import fused_loss
-    from dstrain.train.sources import MicroBatch
+    from dstrain.train.batch_sources import MicroBatch
     from dstrain.train.step import DraftStep, TargetFeatures, pack_step
     from dstrain.train.trainer import Trainer
 

@@ -55,13 +55,13 @@ def add_dspark(folder: str | Path, *, num_layers: int = 2, rank: int = 16, noise
                target_layer_ids: list[int] | None = None, block_size: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
     """A tiny released DSpark drafter inside a DeepSeek-V4 checkpoint, as V4-Flash-0731 ships one: a random
     V4BlockDrafter (away from its init, so every head matters) in the checkpoint's own mtp.* section, quantised like
-    the checkpoint (decoding/v4_format.py), and its dspark_* config keys. Returns its fp32 state dict (before
+    the checkpoint (families/deepseek_v4/export_format.py), and its dspark_* config keys. Returns its fp32 state dict (before
     quantisation), what a reader of the folder should get back within the quantisation error."""
     from types import SimpleNamespace
 
-    from dstrain.decoding.v4_format import add_to_checkpoint
-    from dstrain.models.contract import spec_from_config
-    from dstrain.models.v4_drafter import V4BlockDrafter
+    from dstrain.families.deepseek_v4.export_format import add_to_checkpoint
+    from dstrain.drafters.contract import spec_from_config
+    from dstrain.families.deepseek_v4.drafter import V4BlockDrafter
     from dstrain.targets.configs import load_config
 
     config = load_config(folder)

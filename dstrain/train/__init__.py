@@ -1,1 +1,1 @@
-"""Training: losses (more land with the Drafters issue: trainer, DeepSpeed glue, checkpoints)."""
+"""Training: the one trainer, the step, losses, DeepSpeed setup, checkpoints, feature store, live evaluation."""

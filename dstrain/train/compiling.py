@@ -43,7 +43,7 @@ def summary(fused: bool, compiled: bool) -> dict:
 
 def needs_warm_up(fused: bool, compiled: bool, packed) -> bool:
     """Whether the step runs anything compiled: the vocabulary pass, the drafter's graphs or flex_attention."""
-    from dstrain.models.attention import FlexBlocks
+    from dstrain.layers.attention import FlexBlocks
 
     return fused or compiled or isinstance(packed.key_groups, FlexBlocks)
 
@@ -60,7 +60,7 @@ def warm_up(step_module, lm_head, recipe, feats, batch: int, device: torch.devic
     so the steps after it are those without it. `on_bucket(bucket)` is called before each bucket (the trainer's
     watchdog phase). Returns the buckets."""
     from dstrain.data.loader import Sample
-    from dstrain.data.packing import length_buckets
+    from dstrain.packing.blocks import length_buckets
     from dstrain.train.step import TargetFeatures, pack_step
 
     buckets = length_buckets(recipe.data.max_length)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dstrain.targets import colocated_target
+
 
 def train(recipe) -> int:
     from dstrain.runtime import preemption
@@ -32,7 +34,7 @@ def train(recipe) -> int:
 
 
 def _train(recipe, run_dir: Path) -> int:
-    from dstrain.train.sources import LocalSource
+    from dstrain.train.batch_sources import LocalSource
     from dstrain.train.trainer import Trainer
     from dstrain.runtime.watchdog import mark_done, start_watchdog
     from dstrain.runtime.world import init_world
@@ -40,12 +42,12 @@ def _train(recipe, run_dir: Path) -> int:
     verified = preflight(recipe)
     world = init_world(recipe)
     if world.world_size == 1 and world.device.type == "cpu":
-        from dstrain.train.ds_glue import skip_shm_comm_op
+        from dstrain.train.deepspeed_setup import skip_shm_comm_op
 
         skip_shm_comm_op()
     start_watchdog(world, run_dir, recipe.run.stall_timeout_s, recipe.run.stall_factor, recipe.run.compile_timeout_s)
     if world.role == "target":
-        from dstrain.runtime.target_role import serve_target
+        from dstrain.train.target_role import serve_target
 
         code = serve_target(recipe, world, run_dir, lambda j, n: make_loader(recipe, j, n))
         mark_done()
@@ -68,19 +70,19 @@ def _train(recipe, run_dir: Path) -> int:
             frozen.embedding.to(world.device), frozen.lm_head.to(world.device)
             stored = cached_layers(recipe, frozen)
             target_cfg = recipe.target.model_copy(update={"capture_layers": stored})
-            target = LazyTarget(lambda: colocated_target(recipe, world.device, target_cfg), world.device)
+            target = LazyTarget(lambda: colocated_target(target_cfg, recipe.run.seed, world.device), world.device)
             cache = open_store(recipe, stored, world.device.type, memory=cache,
                                read=[stored.index(i) for i in frozen.capture_layers])
         else:
             from dstrain.targets.frozen import from_target
 
-            target = colocated_target(recipe, world.device)
+            target = colocated_target(recipe.target, recipe.run.seed, world.device)
             frozen = from_target(target)  # the target's own embedding and LM head: on world.device with it
         source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device,
                              vocab=frozen.lm_head.weight.shape[0])
     trainer = Trainer(recipe, frozen, source, run_dir, world, **({"verified_tag": verified} if world.is_main else {}))
     if world.is_main:  # after the resume checks: a refused resume leaves the run's recipe as it was
-        from dstrain.decoding.artifacts import save_run_recipe
+        from dstrain.export.artifacts import save_run_recipe
 
         save_run_recipe(recipe, run_dir)  # so evaluate/export can load the run without the recipe file
     summary = trainer.train()
@@ -103,14 +105,6 @@ def _train(recipe, run_dir: Path) -> int:
                   f"{c['feature_cache/misses']:.0f} misses ({c['feature_cache/corrupt']:.0f} corrupt), "
                   f"{c['feature_cache/bytes_written'] / 2**20:.1f} MiB written, {c['target_feature_s']:.1f} s on target features")
     return trainer.exit_code  # 128 + the signal's number after a Ctrl-C or SIGTERM checkpoint
-
-
-def colocated_target(recipe, device, target_cfg=None):
-    from dstrain.targets import load_target
-
-    target = load_target(target_cfg or recipe.target, seed=recipe.run.seed)
-    target.model.to(device)  # built on the CPU (same weights for a seed on any device), then moved
-    return target
 
 
 def cached_layers(recipe, frozen) -> list[int]:
@@ -136,14 +130,14 @@ def preflight(recipe):
     from dstrain.data.loader import load_manifest
     from dstrain.errors import UserError
     from dstrain.runtime.world import check_node_size, check_world_size, layout_of, run_device
-    from dstrain.train import checkpoint
+    from dstrain.runtime import checkpoint
 
     check_world_size(layout_of(recipe.world))
     check_node_size(layout_of(recipe.world))
     run_device(recipe, int(os.environ.get("LOCAL_RANK", "0")))  # e.g. run.device=cuda on a machine without one
     load_manifest(recipe.data.shards, recipe.target.name)
     if recipe.target.source == "path" and not Path(recipe.target.path).is_dir():
-        from dstrain.targets.hub import looks_like_hub_id, not_found_message
+        from dstrain.config.hub import looks_like_hub_id, not_found_message
 
         if looks_like_hub_id(recipe.target.path):  # a hub id the recipe kept because target.hf_config sized the plan
             raise UserError(not_found_message(recipe.target.path))
@@ -204,8 +198,8 @@ def make_loader(recipe, rank: int, world: int):
 def channel_source(recipe, world, frozen):
     """The receiving end of this drafter's channel: who sends what, from the layout and the capture layers."""
     from dstrain.runtime.channel import Receiver
-    from dstrain.train.sources import ChannelSource
-    from dstrain.runtime.target_role import stage_of_layer
+    from dstrain.train.batch_sources import ChannelSource
+    from dstrain.train.target_role import stage_of_layer
 
     lay, j = world.layout, world.drafter_index
     replica = lay.replica_of_drafter(j)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dstrain.decoding.metrics import position_events
+from dstrain.eval.metrics import position_events
 from dstrain.errors import UserError
 
 BEST = "best"
@@ -51,7 +51,7 @@ def _first_per_domain(records: list[dict], per_domain: int) -> dict[str, list[di
 def eval_prompts(recipe) -> dict[str, list[dict]]:
     """{domain: records} as eval.prompts says, eval.per_domain of each domain in file order."""
     from dstrain.data import corpus
-    from dstrain.decoding import prompts as P
+    from dstrain.eval import prompts as P
 
     cfg = recipe.eval
     if cfg.prompts == "held_out":
@@ -81,7 +81,7 @@ def counts_of(logs: dict, gamma: int) -> torch.Tensor:
 
 def _per_prompt(logs: list[dict], prompts: int, batch: int) -> dict:
     """{tokens, rounds} per prompt in order: each batch's rollout numbers its requests from 0."""
-    from dstrain.decoding.bootstrap import prompt_totals
+    from dstrain.eval.bootstrap import prompt_totals
 
     tokens, rounds = torch.zeros(prompts, dtype=torch.float64), torch.zeros(prompts, dtype=torch.float64)
     for i, lo in enumerate(range(0, prompts, batch)):
@@ -130,7 +130,7 @@ class LiveEval:
 
     def _encoded(self, target) -> dict[str, list[list[int]]]:
         if self._prompts is None:
-            from dstrain.decoding import prompts as P
+            from dstrain.eval import prompts as P
 
             tok = P.load_tokenizer(self.recipe.target.model_dump(mode="json"))
             self._eos = P.end_of_turn_ids(tok)
@@ -139,7 +139,7 @@ class LiveEval:
 
     def run(self, step: int, drafter, tick=lambda: None) -> dict:
         """Decode, sum the counts over ranks, update the best; returns the eval/ metrics of this step."""
-        from dstrain.decoding.decode import LengthPolicy, SpecDecoder
+        from dstrain.eval.decode import LengthPolicy, SpecDecoder
 
         t0 = time.perf_counter()
         cfg, gamma = self.cfg, self.recipe.drafter.block_size

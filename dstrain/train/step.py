@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dstrain.data.anchors import anchor_generator, anchor_slots
+from dstrain.packing.anchors import anchor_generator, anchor_slots
 from dstrain.data.loader import Sample
-from dstrain.data.packing import PackedBlocks, pack_blocks
+from dstrain.packing.blocks import PackedBlocks, pack_blocks
 from dstrain.devices import on_cuda
-from dstrain.models.attention import FlexBlocks
-from dstrain.models.heads import MarkovHead
+from dstrain.layers.attention import FlexBlocks
+from dstrain.drafters.heads import MarkovHead
 from dstrain.train.losses import drafter_loss_sums, plan_vocab_chunks, position_weights, vocab_loss
 
 

@@ -5,7 +5,7 @@ ranks; colocated: the data loader), `target_s` in the frozen target's forward in
 feature cache's reads count here too), `compute_s` the drafter's own forward, backward and optimizer step.
 `target_wait_fraction` = (wait + target) / step time: how much of the drafter rank's time the target costs it — the
 number that says whether to add target or drafter ranks. `tflops` is the drafter's achieved matmul TFLOP/s over its
-compute time, counted by dstrain/flops.py (forward + backward, the way MFU is counted), and `mfu` divides it by the
+compute time, counted by dstrain/sim/flops.py (forward + backward, the way MFU is counted), and `mfu` divides it by the
 device's peak (dense bf16 tensor-core TFLOP/s from the table below, or `run.peak_tflops`; absent when neither knows).
 On a GPU a step only queues its kernels (its metrics are read back at the log line): the host's clock measures
 launches, and the wait at the log line for the device to catch up counts as compute (`drain`). Over a window the

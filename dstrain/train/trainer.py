@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 
 from dstrain.devices import on_cuda
-from dstrain.models.contract import spec_from_config
-from dstrain.models.registry import build_drafter
-from dstrain.monitor import Monitor, peak_memory_mb
+from dstrain.drafters.contract import spec_from_config
+from dstrain.families.registry import build_drafter
+from dstrain.train.monitor import Monitor, peak_memory_mb
 from dstrain.runtime import preemption
 from dstrain.runtime.watchdog import progress
-from dstrain.train import checkpoint, compiling, resume_check
+from dstrain.train import compiling, resume_check
+from dstrain.runtime import checkpoint
 from dstrain.train.losses import position_weights
 from dstrain.train.step import DraftStep
 from dstrain.train.step_metrics import MetricWindow, calibration_bins, clip_grad_norm, step_values
@@ -73,7 +74,7 @@ class Trainer:
         """`verified_tag`: on the main rank, the checkpoint main.preflight verified (else it is chosen here)."""
         import deepspeed
 
-        from dstrain.train.ds_glue import engine_args, scope_deepspeed_to
+        from dstrain.train.deepspeed_setup import engine_args, scope_deepspeed_to
 
         self.recipe, self.source, self.run_dir = recipe, source, run_dir
         self.frozen, self.lm_head = frozen, frozen.lm_head
@@ -87,7 +88,7 @@ class Trainer:
         drafter = build_drafter(recipe.drafter, spec_from_config(frozen.config, frozen.num_capture), frozen.embedding,
                                 frozen.config)
         if recipe.drafter.init_from:  # weights of another drafter (any export format); a resume below overrides them
-            from dstrain.decoding.artifacts import init_weights
+            from dstrain.export.artifacts import init_weights
 
             _, bridged = init_weights(drafter, recipe.drafter, frozen)
             if bridged and world.is_main:
@@ -251,8 +252,8 @@ class Trainer:
 
     def _step_clock(self, recipe, frozen, drafter):
         """train/ throughput metrics (train/throughput.py): the drafter's FLOPs per supervised position, counted as the
-        plan counts them (dstrain/flops.py, at the recipe's max_length), against the device's peak."""
-        from dstrain.flops import step_flops
+        plan counts them (dstrain/sim/flops.py, at the recipe's max_length), against the device's peak."""
+        from dstrain.sim.flops import step_flops
         from dstrain.targets.configs import size_target
         from dstrain.train.throughput import StepClock, peak_tflops
 

@@ -25,6 +25,9 @@ import warnings
 
 import torch
 
+from dstrain.packing.anchors import IGNORE
+from dstrain.train.vocab_gemm import gemm as _gemm
+
 _COMPILED = {}
 
 
@@ -94,7 +97,6 @@ def fused_forward(g_d, g_a, w, w2, markov_index, g_t, target_index, labels, c_ce
     """The chunk loop of the fused pass. Operands as losses._FusedVocabLoss prepared them (16-bit on CUDA when
     `lowp`, else at least fp32); `table(i, index)` -> (rows, inverse or None) of chunk i's distinct target rows.
     Returns (grad_h, grad_a, grad_w2) (None where not wanted), CE [N] and TV [N] in at least fp32."""
-    from dstrain.train.losses import IGNORE, _gemm
 
     n, d = g_d.shape
     dev = g_d.device

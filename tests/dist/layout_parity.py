@@ -30,8 +30,9 @@ from tiny_configs import TINY, per_rank, stage_diff  # noqa: E402
 from v3_parity import BASE as V3_BASE  # noqa: E402
 from v4_parity import MIXED as V4_MIXED, hf_model as v4_hf_model  # noqa: E402
 
-from dstrain.blocks import v4 as v4_blocks  # noqa: E402
-from dstrain.targets import cpu_compat, mcore_patches, v4_attention  # noqa: E402
+from dstrain.families.deepseek_v4 import blocks as v4_blocks# noqa: E402
+from dstrain.targets import cpu_compat, mcore_patches
+from dstrain.families.deepseek_v4 import attention as v4_attention# noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
 from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
 from dstrain.targets.megatron import MegatronTarget  # noqa: E402

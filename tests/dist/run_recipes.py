@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from dstrain.main import train  # noqa: E402
-from dstrain.recipe import load_recipe  # noqa: E402
+from dstrain.config.schema import load_recipe  # noqa: E402
 
 import faulthandler  # noqa: E402
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from dstrain.data.loader import Sample
 from dstrain.runtime.channel import Receiver, Sender
-from dstrain.runtime.target_role import accept_and_load
-from dstrain.train.sources import ChannelSource
+from dstrain.train.target_role import accept_and_load
+from dstrain.train.batch_sources import ChannelSource
 
 TIMEOUT_S, LOAD_S, STEP = 3, 7, 4
 

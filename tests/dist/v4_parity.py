@@ -29,8 +29,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tiny_configs import TINY, per_rank, stage_diff  # noqa: E402
 
-from dstrain.blocks import v4 as v4_blocks  # noqa: E402
-from dstrain.targets import cpu_compat, v4_attention  # noqa: E402
+from dstrain.families.deepseek_v4 import blocks as v4_blocks# noqa: E402
+from dstrain.targets import cpu_compat
+from dstrain.families.deepseek_v4 import attention as v4_attention# noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
 from dstrain.targets.hf import HFTarget, random_model  # noqa: E402
 from dstrain.targets.megatron import MegatronTarget  # noqa: E402

@@ -1,1 +1,0 @@
-"""Speculative decoding: target sessions with a KV cache, drafter proposals, lossless verification, calibration."""

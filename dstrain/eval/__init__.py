@@ -1,0 +1,1 @@
+"""Evaluation: speculative-decoding sessions against the target, sampling, acceptance metrics, bootstrap intervals, plots."""

@@ -1,0 +1,1 @@
+"""Export: drafter artifacts, the engine formats (speculators, DeepSpec, SGLang Eagle3) and each engine's rules."""

@@ -1,0 +1,1 @@
+"""DeepSeek-V3: MLA attention and its MoE on megatron-core."""

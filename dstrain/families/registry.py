@@ -1,0 +1,51 @@
+"""drafter.type → builder. One folder-free registry: add a family by registering a builder here.
+
+drafter.backbone picks dspark's layers: on a DeepSeek-V4 target `auto` builds V4BlockDrafter (V4's own draft layers,
+shaped by the target: what the engines serve), elsewhere BlockDrafter; `generic` keeps BlockDrafter on V4 (ablations).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from dstrain.errors import UserError
+from dstrain.drafters.block import BlockDrafter
+from dstrain.drafters.chain import ChainDrafter
+from dstrain.drafters.contract import TargetSpec
+
+DRAFTERS: dict[str, Callable[..., nn.Module]] = {
+    "dspark": BlockDrafter, "dflash": BlockDrafter,  # parallel block backbone
+    "eagle3": ChainDrafter, "mtp": ChainDrafter,  # one autoregressive layer
+}
+V4_TARGETS = ("deepseek_v4",)  # model_type of targets the V4 backbone fits
+
+
+def resolve_backbone(cfg, target_config=None) -> str:
+    """'v4' or 'generic': what drafter.backbone means against this target (None: a target not known here)."""
+    model_type = getattr(target_config, "model_type", None)
+    backbone = getattr(cfg, "backbone", "auto")
+    if backbone == "auto":
+        return "v4" if cfg.type == "dspark" and model_type in V4_TARGETS else "generic"
+    if backbone == "v4" and model_type not in V4_TARGETS:
+        raise UserError(f"drafter.backbone=v4 builds DeepSeek-V4's draft layers, but the target is {model_type or 'not a V4 model'}:"
+                        " set drafter.backbone=auto (or generic)")
+    return backbone
+
+
+def build_drafter(cfg, spec: TargetSpec, embedding: nn.Embedding, target_config=None) -> nn.Module:
+    """`target_config`: the target's model config (the V4 backbone takes its shape from it)."""
+    builder = DRAFTERS.get(cfg.type)
+    if builder is None:
+        raise UserError(f"drafter.type={cfg.type}: not in this build yet (available: {', '.join(DRAFTERS)})")
+    if resolve_backbone(cfg, target_config) == "v4":
+        from dstrain.families.deepseek_v4.drafter import V4BlockDrafter
+        from dstrain.config.backbone import v4_backbone_conflicts
+
+        problems = v4_backbone_conflicts(cfg)
+        if problems:
+            said = "" if getattr(cfg, "backbone", "auto") == "v4" else " (drafter.backbone=auto picks v4 on a DeepSeek-V4 target)"
+            raise UserError(problems[0] + said)
+        return V4BlockDrafter(cfg, spec, embedding, target_config)
+    return builder(cfg, spec, embedding)

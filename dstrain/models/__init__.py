@@ -1,1 +1,0 @@
-"""Drafter building blocks: packed block attention (more land with the Drafters issue)."""

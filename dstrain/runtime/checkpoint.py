@@ -1,0 +1,275 @@
+"""Checkpoints: DeepSpeed engine state + our client state, written atomically, verified on load, last N kept.
+
+A checkpoint is written by DeepSpeed into `ckpt/.tmp-step-N/step-N`; the writer then lists every file
+it holds with its size and SHA-256, together with the step, the world layout and the data position, in
+`manifest.json` — written last — and renames the folder to `ckpt/step-N`; `ckpt/latest` is replaced
+atomically afterwards. A kill at any moment leaves either the previous checkpoint or the new one, never
+half of one; a full disk (or any write error) removes the staging folder and ends in one line naming the
+checkpoint that is still intact.
+
+Loading verifies the manifest (every file present, same size, same checksum). A truncated or altered
+checkpoint is reported in one line and the newest older good one is used; none good is a one-line
+error (exit 2). The resuming process (rank 0) moves a checkpoint it passed over aside into
+`ckpt/rejected/` (kept, never deleted) and points `latest` at the good one, so the damaged one is not
+met again by the next resume, by pruning or by anyone reading `latest`. The client state holds the step, the loader position and every RNG, so a resumed run
+continues exactly where the saved one was.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dstrain.errors import UserError
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+MISSING = "is missing"
+REJECTED = "rejected"  # damaged checkpoints moved aside: not named step-*, so never selected, pruned or counted
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, step: int, world: dict, data: dict, architecture: dict | None = None) -> dict:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    man = {"version": MANIFEST_VERSION, "step": step, "world": world, "data": data,
+           "architecture": architecture,  # the recipe keys a resume must keep (train/resume_check.py)
+           "files": {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+    tmp = folder / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(man, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+    return man
+
+
+def verify(folder: Path) -> str | None:
+    """None when `folder` is a whole checkpoint as its manifest says, else what is wrong (one phrase)."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return f"no {MANIFEST} (an interrupted save, or written before manifests)"
+    try:
+        man = json.loads(path.read_text())
+        files = man["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        return f"{MANIFEST} is unreadable ({type(exc).__name__})"
+    if not files:
+        return f"{MANIFEST} lists no files"
+    for name, want in files.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} is {size} bytes, the manifest says {want['bytes']} (truncated)"
+        if _sha256(f) != want["sha256"]:
+            return f"{name} does not match its checksum (altered)"
+    return None
+
+
+def read_manifest(folder: Path) -> dict:
+    return json.loads((folder / MANIFEST).read_text())
+
+
+FULL_BELOW = 1 << 20  # a failed write with less free space than this on the disk is a full disk
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 1 << 62
+
+
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, is_writer: bool, group=None,
+         world: dict | None = None, architecture: dict | None = None) -> Path:
+    """`group`: the ranks that hold drafter state (all of them in a colocated run)."""
+    tag = f"step-{step}"
+    staging = ckpt_dir / f".tmp-{tag}"
+    final = ckpt_dir / tag
+    try:
+        if is_writer:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        _barrier(group)
+        try:
+            engine.save_checkpoint(str(staging), tag=tag, client_state={**client_state, "rng": rng_state()}, save_latest=False)
+        except RuntimeError as exc:  # torch.save's zip writer reports a short write as "unexpected pos", errno lost
+            if _free_bytes(ckpt_dir) >= FULL_BELOW:
+                raise
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
+        _barrier(group)
+        if is_writer:
+            write_manifest(staging / tag, step, world or {}, client_state.get("loader", {}), architecture)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staging / tag, final)
+            shutil.rmtree(staging, ignore_errors=True)
+            write_latest(ckpt_dir, tag)
+    except OSError as exc:
+        full = exc.errno == errno.ENOSPC or _free_bytes(ckpt_dir) < FULL_BELOW
+        shutil.rmtree(staging, ignore_errors=True)
+        prev = latest_tag(ckpt_dir)
+        kept = f"the previous checkpoint {ckpt_dir / prev} is intact" if prev else "no earlier checkpoint exists"
+        why = "the disk is full" if full else f"{type(exc).__name__}: {exc.strerror or exc}"
+        raise UserError(f"cannot write checkpoint {final}: {why} ({kept}); free space under {ckpt_dir} or set"
+                        " run.output_dir to a larger disk, then rerun to resume") from None
+    if is_writer:
+        for old in sorted(ckpt_dir.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(group)
+    return final
+
+
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    tmp = ckpt_dir / f".latest.tmp-{os.getpid()}"  # per process: two resuming processes never share a temp file
+    tmp.write_text(tag)
+    os.replace(tmp, ckpt_dir / "latest")
+
+
+def latest_tag(ckpt_dir: Path) -> str | None:
+    f = ckpt_dir / "latest"
+    try:
+        return f.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _reason(problem: str) -> str:
+    """A verify() phrase as a short folder-name suffix."""
+    for word, short in (("truncated", "truncated"), ("altered", "altered"), ("is missing", "incomplete"),
+                        (f"no {MANIFEST}", "no-manifest")):
+        if word in problem:
+            return short
+    return "bad-manifest"
+
+
+def quarantine(ckpt_dir: Path, tag: str, problem: str) -> Path | None:
+    """Move damaged checkpoint `tag` to ckpt_dir/rejected/<tag>-<reason>[-n]. Returns where it went, or None when it
+    is not there (another process moved it first) or cannot be moved (then it is only passed over, as before)."""
+    rejected = ckpt_dir / REJECTED
+    try:
+        rejected.mkdir(exist_ok=True)
+    except OSError:
+        return None
+    base = f"{tag}-{_reason(problem)}"
+    for n in range(1, 1000):
+        dest = rejected / (base if n == 1 else f"{base}-{n}")
+        if dest.exists():  # the same step rejected before (saved again, damaged again): keep both
+            continue
+        try:
+            os.rename(ckpt_dir / tag, dest)  # atomic; a directory never replaces a non-empty one
+            return dest
+        except FileNotFoundError:  # another process looking at the same time moved it first
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):  # e.g. a read-only folder
+                return None
+            # the name was taken meanwhile: try the next one
+    return None
+
+
+def select(ckpt_dir: Path, say=None, quarantine_damaged: bool = False) -> str | None:
+    """The checkpoint to resume from: the one `latest` names if it verifies, else the newest older one that does.
+    Each one passed over is reported in one line; none good (but some present) is a one-line error, and nothing is
+    moved (starting over must stay the user's decision). `quarantine_damaged` (the resuming process only: readers of
+    a live run must not rename its folders) moves those passed over into rejected/ and points `latest` at the pick."""
+    say = say or (lambda line: print(f"dstrain: {line}", file=sys.stderr, flush=True))
+    named = latest_tag(ckpt_dir)
+    present = sorted((p.name for p in ckpt_dir.glob("step-*") if p.is_dir()), key=lambda t: -int(t.split("-")[1]))
+    if named is None and not present:
+        return None
+    order = ([named] if named else []) + [t for t in present if t != named]
+    bad = []
+    for tag in order:
+        folder = ckpt_dir / tag
+        problem = MISSING if not folder.is_dir() else verify(folder)
+        if folder.is_dir() and not (folder / MANIFEST).exists() and any(folder.iterdir()):
+            say(f"checkpoint {folder} was written before checkpoint manifests: loading it unverified")
+            problem = None
+        if problem is None:
+            if bad:
+                moved = ""
+                if quarantine_damaged:
+                    moved = _quarantine_all(ckpt_dir, bad, tag)
+                say(f"checkpoint {ckpt_dir / bad[0][0]} is damaged ({bad[0][1]}){moved}; resuming from the previous good"
+                    f" one, {folder}" + (f" ({len(bad) - 1} more damaged passed over)" if len(bad) > 1 else ""))
+            return tag
+        bad.append((tag, problem))
+    raise UserError(f"no good checkpoint in {ckpt_dir}: " + "; ".join(f"{t}: {p}" for t, p in bad)
+                    + f"; restore one, or move {ckpt_dir} away to start over")
+
+
+def _quarantine_all(ckpt_dir: Path, bad: list, good: str) -> str:
+    """Move every damaged one aside and name the good one in `latest`; what to add to the line about the first."""
+    moved = [None if p == MISSING else quarantine(ckpt_dir, t, p) for t, p in bad]
+    try:
+        write_latest(ckpt_dir, good)
+    except OSError:  # a read-only folder: resuming still works, the damaged one is only passed over again next time
+        pass
+    return f"; moved aside to {moved[0]} (kept, never deleted)" if moved[0] else ""
+
+
+def latest(ckpt_dir: Path, quarantine_damaged: bool = False) -> str | None:
+    """The verified checkpoint to resume from (see select)."""
+    return select(ckpt_dir, quarantine_damaged=quarantine_damaged)
+
+
+def load(engine, ckpt_dir: Path, tag: str) -> dict:
+    try:
+        path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=True)
+    except (RuntimeError, KeyError, FileNotFoundError, EOFError) as exc:
+        raise UserError(f"checkpoint {ckpt_dir / tag} cannot be loaded ({str(exc).splitlines()[0][:200]}); "
+                        "it was written by a different recipe or is damaged") from None
+    if path is None:
+        raise UserError(f"checkpoint {ckpt_dir / tag} cannot be loaded; it is damaged or from another recipe")
+    set_rng_state(client["rng"])
+    return client
+
+
+def verify_checkpoint(folder: Path) -> None:
+    """A checkpoint folder against its manifest. checkpoints/best and checkpoints from
+    before manifests have none and pass unchecked."""
+    from dstrain.verify import verify_files
+
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return
+    try:
+        files = json.loads(path.read_text())["files"]
+        entries = [{"file": name, "bytes": f["bytes"], "sha256": f["sha256"]} for name, f in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"{path}: unreadable ({type(exc).__name__}); load an older checkpoint of the run") from None
+    verify_files(folder, entries, what="checkpoint file", listed_in=str(path), cache="user",
+                 fix=f"load an older checkpoint of the run, or restore {folder} from a copy")
