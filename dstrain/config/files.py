@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dstrain.errors import UserError
 
-SHIPPED_DIR = Path(__file__).resolve().parent / "recipes"
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def shipped_recipes() -> dict[str, Path]:
