@@ -1,4 +1,4 @@
-"""tools/bench_train.py --count: what one training step asks of a GPU, counted on the CPU (issue 23, item 5).
+"""tools/bench_train.py --count: what one training step asks of a GPU, counted on the CPU.
 
 Per grid point and path (packed: our step, bench_train.packed_step; fused: the same with the compiled vocabulary
 pass, compiled by an uncounted step first; deepspec: tools/bench_train_refs.py), one step

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Sharded target loading vs the old full load: bytes read and peak memory per megatron rank.
+"""Sharded target loading vs a full load: bytes read and peak memory per megatron rank.
 
 Writes (or reuses, under the cache) a mid-size Mixtral-format checkpoint, then for a TP × EP × PP layout
 (default 2 × 2 × 2: 4 ranks, expert-parallel ranks spanning the tensor ranks as in megatron) loads each
 rank in its own subprocess, one after another, two ways:
   sharded  the shard plan through CheckpointReader: only the rank's slices, in --dtype;
-  full     the old path: transformers from_pretrained of the whole model in fp32, then slicing.
+  full     transformers from_pretrained of the whole model in fp32, then slicing (the tests' reference).
 Peak RSS is VmHWM after resetting it (/proc/self/clear_refs) once imports are done — and, for sharded, once
 the destination parameters are allocated and touched, so "growth" is the loader's own working memory.
 """
@@ -71,7 +71,7 @@ def probe(mode: str, folder: str, at, dtype: str) -> dict:
         return dict(mode=mode, bytes_read=stats.bytes_read, plan_bytes=plan_bytes(plan, reader), owned_bytes=stats.owned_bytes,
                     largest_read=stats.largest_read, dest_bytes=sum(t.numel() * t.element_size() for t in dests.values()),
                     base=base, peak=_status("VmHWM"), growth=_status("VmHWM") - base, seconds=time.perf_counter() - t0)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the old path lives on as the tests' reference
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the full load is the tests' reference
     from reference_slicing import reference_rank_state
 
     base = _reset_peak()

@@ -7,8 +7,8 @@ target runs once for all variants), and prints per variant and MoE layer `expert
 routed share × E: 1.0 is even, E / top_k means top_k experts take every token) at chosen steps and averaged over
 the second half of the run, next to loss and τ̂ averaged over the last logged steps.
 
-Variants are `name=override;override...` (recipe overrides); the defaults compare the aux loss at the old
-coefficient and 10× it with the bias update at two rates.
+Variants are `name=override;override...` (recipe overrides); the defaults compare the aux loss at 0.01 and at
+0.1 (the recipe default) with the bias update at two rates.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ All runs answer the same prompts (first turns of a prompts file) with the same l
 thread count, in one process, one after another; the static runs at each `--batch-size` (e.g. 16,64: on a CPU a
 static batch gets cheaper per sequence up to far larger batches than continuous batching, whose CPU attention
 grows with batch² × length), continuous batching at `--continuous-batch-size`:
-  static, file order     today's path before this tool: `generate` over batches in file order; a batch
+  static, file order     the unbucketed baseline: `generate` over batches in file order; a batch
                          waits for its longest answer;
   static, length buckets the same, prompts grouped by length first (less left padding);
   continuous             transformers' continuous batching: a finished answer's slot is refilled at once;

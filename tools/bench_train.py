@@ -195,7 +195,7 @@ def measure(args, path: str, context: int, window: int | None, anchors: int) -> 
     row = {"path": path, "context": context, "window": window, "anchors": anchors, "seconds": dt,
            "positions_per_s": positions / dt, "peak_step_mb": peak, "positions": positions, "loss": loss,
            "first_call_s": first_call}
-    if args.sync_debug and device.type == "cuda":  # issue 23: no host sync inside the step, checked by CUDA itself
+    if args.sync_debug and device.type == "cuda":  # no host sync inside the step, checked by CUDA itself
         row["sync_debug"] = bench_checks.sync_debug_steps(run_quiet, 10)
     if path == "packed":
         row["loss_gemms"] = ("bf16 operands, fp32 output" if device.type == "cuda" and args.dtype == "bf16"

@@ -5,18 +5,10 @@ uninterrupted run of the same recipe.
 
 Faults, drawn with --seed: `kill` (SIGKILL a random rank at a random step), `stop` (SIGSTOP one: it is
 alive but frozen), `corrupt` (the job is killed and its latest checkpoint truncated: the relaunch must fall
-back to the one before). After each fault the job must end by itself (the watchdog names the rank) and
-the relaunch must resume. At the end: every step's loss and the final drafter's weights equal the
-uninterrupted run's exactly (fp32, CPU), and the samples that trained the final drafter (each step's last
-streamed copy) are the first ones of the data stream, each exactly once. Every streamed copy of every sample is
-counted: each attempt streams a contiguous run of steps starting right after the checkpoint it resumed from (which
-its trainer names: "resumed from step N"), N is the checkpoint the attempt should have resumed from (the latest, or
-the newest good one before a corrupted latest), and a step streamed twice carries the same samples both times. The
-relaunch after a corruption must move the damaged checkpoint into checkpoints/rejected/ and point `latest` at the good
-one, so every later expectation (read from `latest` and the step-N folders) follows that quarantine: a kill before
-the corrupted step is reached again resumes from the same good checkpoint. A run that
-ignored its checkpoint and restarted at step 0 writes the same losses and weights (training is deterministic), so
-only these checks tell it apart.
+back to the one before, moving the damaged one into checkpoints/rejected/). After each fault the job must end by
+itself (the watchdog names the rank) and the relaunch must resume. At the end: every step's loss and the final
+drafter's weights equal the uninterrupted run's exactly (fp32, CPU), each attempt resumed from the right checkpoint
+(check_copies), and the samples that trained the final drafter are the first ones of the data stream, each once.
 
     python tools/chaos.py --faults 3 [--seed 0] [--steps 24] [--out runs/chaos]
 
@@ -154,7 +146,13 @@ def quarantined(ckpt: Path, tag: str, before: int) -> bool:
 
 def check_copies(records: list, cuts: list[int], resumed: list[int], expected: list[int], steps: int) -> list[str]:
     """Problems with the streamed copies: attempt j (records[cuts[j]:cuts[j+1]]) must stream steps resumed[j]+1, +2, …
-    with resumed[j] == expected[j]; every copy of a step must carry the same samples."""
+    with resumed[j] == expected[j] (the latest checkpoint, or the newest good one before a corrupted latest, as its
+    trainer says: "resumed from step N"); every copy of a step must carry the same samples.
+
+    Losses and weights alone cannot tell a run that ignored its checkpoint and restarted at step 0 (training is
+    deterministic, so it writes the same ones): these checks can. Expectations are read from `latest` and the step-N
+    folders, so they follow the quarantine of a corrupted checkpoint: a kill before the corrupted step is reached again
+    resumes from the same good checkpoint."""
     problems = []
     bounds = [0, *cuts, len(records)]
     starts = [0, *resumed]

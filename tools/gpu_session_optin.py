@@ -1,5 +1,5 @@
-"""The GPU session's opt-in stages (tools/gpu_session.py --stages NAME,...): earlier sessions' checks, and the
-DSpark-on-vLLM comparison that needs a vLLM the GPU machine does not have yet."""
+"""The GPU session's opt-in stages (tools/gpu_session.py --stages NAME,...): checks outside the default run, and
+the DSpark-on-vLLM comparison, which needs a vLLM the GPU machine lacks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Measure the target's verification steps per second against the batch size in tokens, SPS(B), and write
-the cost table the scheduler and tools/simulate_serving.py read (JSON) with a plot (PNG).
+the cost table the scheduler and `dstrain simulate` read (JSON) with a plot (PNG).
 
 Each point: R requests with a KV cache of --context tokens each verify q = --per-request new tokens in one
 forward (B = R·q; B < q as one request); median of --repeats. The table records where it was measured.

@@ -31,7 +31,7 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
                     "(default: 64; 16 with --continuous)")
     ap.add_argument("--continuous", action="store_true", help="local target: transformers' continuous batching instead of "
                     "static length-bucketed batches")
-    ap.add_argument("--static", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old commands
+    ap.add_argument("--static", action="store_true", help=argparse.SUPPRESS)  # static is the default: a no-op
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the answers (default %(default)s)")
     ap.add_argument("--top-p", type=float, default=0.9, help="nucleus (top-p) sampling of the answers (default %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="most new tokens per answer (default %(default)s)")

@@ -129,7 +129,7 @@ def recipe_reference() -> str:
     out: list[str] = []
     for name, field in Recipe.model_fields.items():
         model = _section_model(field.annotation)
-        if model is None:  # pragma: no cover - every top-level key is a section today
+        if model is None:  # pragma: no cover - every top-level key is a section
             continue
         _render(name, model, out)
     return "\n".join(out).rstrip() + "\n"

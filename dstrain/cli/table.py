@@ -29,7 +29,7 @@ from pathlib import Path
 
 from dstrain.errors import UserError
 
-# Sized to finish in about 2.5 h on 2 CPU cores with today's corpus (measured stage times in README); the
+# Sized to finish in about 2.5 h on 2 CPU cores with the shipped corpus (measured stage times in README); the
 # evaluation protocol (30 prompts, 128 tokens, T = 1) is fixed by the paper, the training budget is what gives.
 FULL = {"steps": 400, "eval_prompts": 30, "max_new_tokens": 128, "batch": 30, "curve_points": 3, "curve_prompts": 3,
         "curve_new_tokens": 48}

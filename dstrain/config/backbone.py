@@ -1,5 +1,5 @@
-"""drafter.backbone=v4: what of a DrafterConfig the V4-native DSpark backbone cannot honour (recipe.py checks an
-explicit `v4` when the recipe loads; families/registry.py checks `auto` once it knows the target is DeepSeek-V4)."""
+"""drafter.backbone=v4: what of a DrafterConfig the V4-native DSpark backbone cannot honour (config/schema.py checks
+an explicit `v4` when the recipe loads; families/registry.py checks `auto` once it knows the target is DeepSeek-V4)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`target.path` as a Hugging Face hub id (`org/name`), resolved from the local Hugging Face cache only.
 
 Nothing is downloaded at run time (clusters often have no route out, and every rank would race for it):
-the user fetches once with `hf download org/name` (huggingface_hub 1.0 and later ship `hf`, no longer
+the user fetches once with `hf download org/name` (`hf` is huggingface_hub 1.0's command, in place of
 `huggingface-cli`) and recipes can then name the model.
 """
 

@@ -1,5 +1,5 @@
-"""The recipe's shared section base and its `world` section: how ranks are laid out (split from recipe.py to keep
-both files small; import everything from dstrain.config.schema)."""
+"""The recipe's shared section base and its `world` section: how ranks are laid out. Import these from
+dstrain.config.schema, which re-exports them with the rest of the recipe."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """A shipped training corpus: a target's regenerated conversations, compressed, with a manifest.
 
 Layout of a corpus folder (corpus/smollm2_moe):
-  prompts.jsonl            the prompts (tools/make_prompts.py), the input of regeneration
+  prompts.jsonl            the prompts (`dstrain data prompts`), the input of regeneration
   conversations.jsonl.xz   the target's answers, one record per prompt (dstrain/data/regen.py)
   manifest.json            counts, sampling parameters, target and tokenizer fingerprints, sha256s,
-                           and the split (data/split.py): exact duplicates dropped, held-out prompts never
-                           trained on and never a near-duplicate of a training prompt, for a held-out τ
+                           and the held-out split (data/split.py)
 While regeneration runs, conversations.jsonl (uncompressed, appended to) sits beside them;
 `pack` checks every record and writes the .xz and the manifest atomically, `unpack` restores it.
 """
@@ -35,7 +34,7 @@ def resolve(arg: str | Path, what: str = "--corpus") -> Path:
     if path.is_dir():
         return path.resolve()
     ships = shipped()
-    name = path.name if str(arg).startswith("corpus/") else str(arg)  # the repository's old relative spelling
+    name = path.name if str(arg).startswith("corpus/") else str(arg)  # or the repository-relative corpus/NAME
     if name in ships:
         return ships[name]
     raise UserError(f"{what} {arg}: no such folder and no shipped corpus of that name (shipped: {', '.join(ships)}); "

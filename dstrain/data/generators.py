@@ -1,17 +1,12 @@
 """Target generators for regeneration, all behind one streaming contract.
 
-`submit(key, conversation)` queues one assistant turn; `results()` yields `(key, answer)` as answers
-finish, where an answer is `(text, finish_reason, new_tokens)` or an Exception for that request alone.
-The caller may submit more (the next turn of a conversation) while iterating, and `results()` ends
-when nothing is queued or in flight.
+`submit(key, conversation)` queues one assistant turn; `results()` yields `(key, answer)` as answers finish, where an
+answer is `(text, finish_reason, new_tokens)` or an Exception for that request alone. The caller may submit more
+(the next turn of a conversation) while iterating, and `results()` ends when nothing is queued or in flight.
 
-  * StaticGenerator: `model.generate` over fixed batches of similar prompt lengths (left padding); the local
-    default: on a CPU a batch of 64 costs little more per step than one of 16, so waiting for the longest
-    answer costs less than continuous batching's slower steps;
-  * ContinuousGenerator: the local Hugging Face target under transformers' continuous batching (paged
-    KV cache; a finished sequence's slot is refilled at once, so nobody waits for the longest answer), whose
-    CPU attention is one dense-masked SDPA over every request's pages (batch² × length): best near 16;
-  * OpenAIGenerator: an OpenAI-compatible HTTP endpoint (SGLang / vLLM server) for clusters.
+StaticGenerator (fixed length-bucketed batches; the local default), ContinuousGenerator (transformers' continuous
+batching) and OpenAIGenerator (an OpenAI-compatible endpoint, for clusters). Why static batches win on a CPU:
+dstrain/data/README.md.
 """
 
 from __future__ import annotations
@@ -104,7 +99,7 @@ class TokenCounter:
 class StaticGenerator(_LocalTarget):
     name = "hf"
     streams_tokens = True  # on_tokens is called at every decoding step
-    bucket = True  # False: batches in submission order (the pre-bucketing baseline of bench_regen)
+    bucket = True  # False: batches in submission order (the unbucketed baseline of bench_regen)
 
     def results(self):
         torch = self.torch

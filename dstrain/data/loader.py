@@ -1,18 +1,11 @@
 """Streaming, deterministic, resumable shard loader split over data-parallel ranks.
 
-Order of one epoch: the shards in a permutation seeded by (seed, epoch); inside each shard, its
-samples in a permutation seeded by (seed, epoch, shard). That global sequence is dealt round-robin
-to the data-parallel ranks (position p goes to rank p mod world), so ranks never overlap, and the
-last `total mod world` positions are dropped so every rank takes the same number of steps (the
-count is reported, never silent). The position of a rank is (epoch, consumed): resuming skips
-exactly `consumed` samples — shards wholly before that point are not even opened. Memory holds one
-shard's share for this rank at a time.
-
-Resuming on a different data-parallel world: the ranks move in lock-step, so together they have taken
-exactly the first `start + world·consumed` positions of the epoch's global sequence (which does not
-depend on the world). A state saved at another world size restarts the dealing there (`start`), round-
-robin over the new world, so no sample of the epoch is lost or repeated; only the tail dropped at the
-epoch's end (fewer than `world` samples) differs from an uninterrupted run's.
+One epoch is the shards in a seeded permutation, each shard's samples in a seeded permutation, dealt round-robin to
+the data-parallel ranks (the last `total mod world` positions dropped, and counted, so every rank takes the same
+number of steps). A rank's position is (epoch, consumed): resuming skips exactly `consumed` samples without opening
+the shards before them, and a state saved at another world size restarts the dealing at the first position not yet
+taken, so no sample of the epoch is lost or repeated. Memory holds one shard's share for this rank at a time. Why
+the resume is exact: dstrain/data/README.md.
 """
 
 from __future__ import annotations

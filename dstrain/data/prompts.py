@@ -1,8 +1,7 @@
 """Training prompts from local sources that are not the evaluation sets.
 
 GSM8K, HumanEval and MT-Bench are evaluation-only. Training prompts come from:
-  * math: word problems generated from templates with random quantities (multi-step arithmetic,
-    rates, percentages, fractions, geometry) — not GSM8K items;
+  * math: word problems generated from templates with random quantities — not GSM8K items;
   * code: functions of the CPython standard library on disk (implement-from-docstring, explain,
     write tests, find edge cases) — not HumanEval;
   * chat: Python's own help topics (`pydoc_data.topics`) and module docstrings, as explain /

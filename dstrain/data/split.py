@@ -1,20 +1,10 @@
 """A held-out split that is held out: exact duplicates removed, near-duplicates kept on one side.
 
 The corpus repeats itself (prompt generators reuse templates, docstrings and passages), so a split by id hash puts
-copies of training prompts into the held-out set and its τ measures memorisation. Here:
-
-1. Exact duplicates (same normalised first turn: lower case, runs of non-alphanumerics folded to one space) keep
-   only their first prompt by id; the rest are dropped from both sides.
-2. Near-duplicates: two prompts whose word 8-gram sets overlap by at least NEAR of the smaller set
-   (|A ∩ B| / min(|A|, |B|) ≥ 0.5, over all turns, or over first turns alone: evaluation prompts with the first
-   turn, and a shared first turn is hidden by long different follow-ups) are linked; linked prompts form clusters
-   (union-find). The
-   overlap coefficient, not Jaccard, because a short prompt that copies most of a long one is a duplicate for
-   the drafter (it has seen the continuation) even when the long one has much more text.
-3. Whole clusters go to one side: per domain, clusters in a seeded hash order fill the held-out side until it
-   holds HELD_OUT_FRACTION of that domain's prompts (so every domain is represented in proportion).
-
-Prompts too short for one 8-gram are compared by their whole normalised text (a single shingle).
+copies of training prompts into the held-out set and its τ measures memorisation. Here exact duplicates (by
+normalised first turn) are dropped, near-duplicates (word 8-gram overlap coefficient ≥ NEAR, over all turns or over
+first turns) are clustered by union-find, and whole clusters go to one side, filling HELD_OUT_FRACTION of each
+domain in a seeded order. The steps, and why the overlap coefficient rather than Jaccard: dstrain/data/README.md.
 """
 
 from __future__ import annotations

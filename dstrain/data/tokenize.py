@@ -1,13 +1,11 @@
 """Chat template → token ids + loss mask (assistant spans only, end-of-turn token included).
 
-The conversation is rendered with the tokenizer's own chat template; each assistant message is
-located in the rendered text (in order), extended over the special end-of-turn token that
-follows it, and tokens whose character span overlaps an assistant span get loss_mask = 1. This
-works for any template without per-family code, as long as the template copies assistant text
-verbatim — when it does not, the sample is counted as `template_mismatch`, never guessed.
-
-Thinking: `strip` removes <think>…</think> blocks from assistant turns before rendering (the
-paper regenerates in non-thinking mode); `keep` trains on them. Unbalanced tags are bad data.
+The conversation is rendered with the tokenizer's own chat template; each assistant message is located in the
+rendered text (in order), extended over the special end-of-turn token that follows it, and tokens whose character
+span overlaps an assistant span get loss_mask = 1. This works for any template without per-family code, as long as
+the template copies assistant text verbatim; when it does not, the sample is counted as `template_mismatch`, never
+guessed. Thinking: `strip` removes <think>…</think> blocks from assistant turns before rendering (the paper
+regenerates in non-thinking mode); `keep` trains on them. Unbalanced tags are bad data.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Eagle3 and MTP-1: one autoregressive layer over (next-token embedding, hidden state) pairs.
 
-Both pair the feature of position j with the token x_{j+1} and predict x_{j+2}; for a block at
-anchor a the first draft entry is (feature a−1, anchor token x_a) → x_{a+1}, exactly the tokens and
-features a serving engine holds after verification.
-
-- Eagle3 (Li et al., 2025): the m captured layers (low/mid/high) are fused by Linear(m·d → d) into
-  g_j; the layer's q/k/v read [norm(embed(x_{j+1})); norm(g_j)] (width 2d) and its residual is g_j.
-  Training-time test: step k feeds the drafter's own output state of step k−1 in place of g, with
-  the ground-truth token x_{a+k−1} (teacher forcing), for γ steps; step k's query sees the true
-  context entries before the anchor and the block's entries 1..k.
-- MTP-1 (DeepSeek-V3 §2.2): h'_j = eh_proj([norm(embed(x_{j+1})); norm(h_j)]) then one standard
-  pre-norm transformer layer; h_j is the *last* captured target layer (put the target's last layer
-  in target.capture_layers). Attention is our GQA, not DeepSeek's MLA. γ = 1.
-
-Context entries are true target features, so their keys/values are projections of their inputs:
-one layer needs no forward over the context (this is why both families are one layer deep).
+Both pair the feature of position j with x_{j+1} to predict x_{j+2} (at anchor a: (feature a−1, x_a) → x_{a+1}, what
+an engine holds after verification). Context entries are true target features: one layer needs no context forward.
+- Eagle3 (Li et al., 2025): q/k/v read [norm(embed(x_{j+1})); norm(g_j)], g_j = Linear(m·d → d) of the m captured
+  layers, residual g_j. Training-time test: step k feeds the drafter's own state of step k−1 in place of g (true
+  token x_{a+k−1}) for γ steps, its query seeing the true context before the anchor and the block's entries 1..k.
+- MTP-1 (DeepSeek-V3 §2.2): one pre-norm layer (our GQA) on eh_proj([norm(embed(x_{j+1})); norm(h_j)]), h_j the
+  target's *last* layer (put it in capture_layers); γ = 1.
 """
 
 from __future__ import annotations

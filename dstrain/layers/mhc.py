@@ -1,20 +1,12 @@
 """Manifold-constrained hyper-connections (mHC; Xie et al., 2026; DeepSeek-V4 §2.2): the one copy, used by the
 megatron V4 target (families/deepseek_v4/model.py) and by the drafters' backbones (drafters/block.py).
 
-The residual is n parallel streams [.., n, d]. Around every sublayer (attention, FFN) a dynamic mapping is computed
-from the flattened, unweighted-RMS-normed streams by one linear map plus a bias and three scalar scales:
-  pre  = σ(·) + ε               collapses the streams into the sublayer input   (Σ_j pre_j · x_j)
-  post = 2·σ(·)                 expands the sublayer output back onto the streams
-  comb = Sinkhorn(softmax(·)+ε) mixes the residual streams; doubly stochastic, so the residual
-                                path is non-expansive however deep the stack
-  out_k = post_k · f(collapse) + Σ_j comb[j, k] · x_j.
-The final collapse before the output norm uses its own pre-only mapping (HyperHead, V4's `hc_head`).
-
-Semantics follow transformers' DeepseekV4HyperConnection / DeepseekV4HyperHead (5.24), including the order of the
-Sinkhorn normalisations (columns first, then rows/columns alternately) and the ε placement; tests/test_hyper.py
-checks equality. Parameters are fp32 whatever the model dtype (as V4 keeps them) and the mixing weights are computed
-in fp32. A fresh module is initialised like V4's (fn ~ N(0, 0.02), base 0, scale 1), so a new drafter starts as an
-averaged residual; a target's are overwritten by its checkpoint (`empty=True` skips drawing them).
+The residual is n parallel streams [.., n, d]. Around every sublayer a dynamic mapping from the normed streams
+collapses them into the sublayer input (pre), expands its output back onto them (post) and mixes the residual
+streams through a Sinkhorn-projected, doubly stochastic matrix (comb); HyperHead is the final pre-only collapse.
+Semantics follow transformers' DeepseekV4HyperConnection / DeepseekV4HyperHead (tests/test_hyper.py checks
+equality); parameters and mixing weights are fp32 whatever the model dtype. The maths, the Sinkhorn order and the
+initialisation: dstrain/layers/README.md.
 """
 
 from __future__ import annotations

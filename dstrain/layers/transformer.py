@@ -104,15 +104,9 @@ class MoE(nn.Module):
     the router's logits only to choose the top-k (the gating weights stay the unbiased probabilities), moved by
     `bias_rate` per optimizer step toward equal load.
 
-    Dispatch without host syncs (issue 23; grouped_dispatch, shared with V4DraftMoE): the (token, slot) pairs are
-    sorted by expert id (stable), gathered in that order, and both expert matmuls run as one torch._grouped_mm each,
-    with the per-expert offsets computed on the device (scatter_add + cumsum); the weighted results are index_add_-ed
-    back. The op count is independent of E and
-    no size is read back to the host (a loop over experts needs nonzero / numel per expert, bincount a sync on CUDA).
-    _grouped_mm over a padded [E, P, d] bmm: exact forward and backward here (CPU fp32 and bf16, its built-in
-    backward) without E× the FLOPs and memory. Its CUDA kernel (SM90+, bf16: the trainer's DeepSpeed bf16 run) is
-    sync-free; other dtypes / devices take torch's fallback, a per-group mm loop that reads the offsets to the host.
-    It needs 16-byte aligned row strides, so d and inter are multiples of 8 (every drafter width here is)."""
+    Dispatch is grouped_dispatch's (no host syncs, one torch._grouped_mm per expert matmul, shared with V4DraftMoE);
+    _grouped_mm needs 16-byte aligned row strides, so d and inter are multiples of 8. Why _grouped_mm, and where its
+    kernel is sync-free: dstrain/layers/README.md."""
 
     def __init__(self, d: int, inter: int, num_experts: int, top_k: int, shared: bool, balance: str,
                  bias_rate: float = 1e-3):

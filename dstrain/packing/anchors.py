@@ -47,8 +47,8 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
 
 
 def anchor_slots(loss_mask: torch.Tensor, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exactly k anchor slots: ([k] anchors, [k] keep). The first slots hold sample_anchors' draw (sorted, the same
-    anchors as before), the rest — when the sequence has fewer than k candidates — are padding at position 0 with
+    """Exactly k anchor slots: ([k] anchors, [k] keep). The first slots hold sample_anchors' draw (sorted, as it
+    returns them), the rest — when the sequence has fewer than k candidates — are padding at position 0 with
     keep False: packing gives them no labels and no context, so they add nothing to any loss, only fixed shapes."""
     real = sample_anchors(loss_mask, k, generator)
     anchors = torch.zeros(k, dtype=torch.long)

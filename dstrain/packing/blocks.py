@@ -1,18 +1,11 @@
 """Anchor-bounded packing (paper §5.1): all blocks of many sequences → one dense token batch.
 
-Sequences are laid end to end (no padding); a row of the flattened target features is
-`offset[seq] + pos`. Each block gets token-level key indices into the deduplicated set of context
-rows it may see — positions [a − W, a) of its own sequence (strictly before the anchor, inside the
-window) — so draft compute and memory grow with #blocks × γ × (W + γ), never with context length,
-and no [queries × full context] mask is ever built. Overlapping windows share their rows: `ctx_rows`
-is exactly what a target rank must stream for the batch.
-
-The trainer's packing is static (pack_blocks' per_sequence; issue 23): exactly K block slots per sequence — a
-sequence with fewer candidate anchors gets padding slots (keep False: anchor 0, no labels, no context keys) — key
-slots W (or the length bucket without a window), context rows and the Markov head's distinct tokens padded to their
-largest possible count (repeats of the last row: `ctx_rows` stays sorted, never read by key_index), so every shape
-of the step depends on (batch, K, γ, window, length bucket), not on the draw; a recipe's length buckets are a
-fixed set of at most six (length_buckets), so the step has at most six shapes, each compiled once.
+Sequences are laid end to end (no padding); a row of the flattened target features is `offset[seq] + pos`. Each
+block gets token-level key indices into the deduplicated context rows it may see — positions [a − W, a) of its own
+sequence — so draft cost grows with #blocks × γ × (W + γ), never with context length, and `ctx_rows` is exactly what
+a target rank must stream. The trainer's packing is static (pack_blocks' per_sequence): exactly K block slots per
+sequence (padding slots keep False) and every count padded to its maximum, so the step's shapes depend on (batch, K,
+γ, window, length bucket), never on the draw: at most six shapes (length_buckets), each compiled once.
 """
 
 from __future__ import annotations
@@ -80,11 +73,11 @@ LENGTH_BUCKETS = 6  # padded lengths per recipe: each is one compiled shape of t
 
 def length_buckets(max_length: int, count: int = LENGTH_BUCKETS) -> list[int]:
     """The padded lengths a recipe's static packing takes, ascending: data.max_length and `count` - 1 sizes below it
-    a factor √2 apart (multiples of 8), so a batch pads by at most √2 above the smallest (1.07x the old per-length
-    rounding's rows on the demo's data, where powers of two gave 1.32x). A fixed, small set: every shape of the step is
-    compiled once (train/compiling.warm_up), and flex_attention, compiled with dynamic=False, never passes torch's
-    recompile limit and falls back to its dense kernel (the whole [queries x keys] score matrix: ~17 GB a layer at
-    4096 tokens)."""
+    a factor √2 apart (multiples of 8), so a batch pads by at most √2 above the smallest (on the demo's data 1.07x the
+    rows of length_bucket's rounding without a recipe; powers of two gave 1.32x). A fixed, small set: every shape of the
+    step is compiled once (train/compiling.warm_up), and flex_attention, compiled with dynamic=False, never passes
+    torch's recompile limit and falls back to its dense kernel (the whole [queries x keys] score matrix: ~17 GB a layer
+    at 4096 tokens)."""
     top = max(int(max_length), 1)
     sizes, x = {top}, float(top)
     while len(sizes) < count and x > 8:
@@ -210,7 +203,7 @@ def _pack_static(input_ids, loss_masks, anchors, gamma, mask_token_id, window, s
     key_index = torch.full_like(flat, -1)
     key_index[slot_ok] = inverse
     # the rows any draw can need: at most every row of the batch, at most W per block
-    ctx_rows = _pad(ctx_rows, min(n_seq * bucket, len(anchor) * wk))
+    ctx_rows = _pad(ctx_rows, min(n_seq * bucket, len(anchor) * wk))  # the padding rows: no key_index reads them
     seq_of_row = torch.searchsorted(offsets, ctx_rows, right=True) - 1
     prev_distinct, prev_inverse = torch.unique(prev_tokens.reshape(-1), return_inverse=True)
     prev_distinct = _pad(prev_distinct, n_seq * min(k * gamma, bucket))  # distinct tokens <= distinct rows read

@@ -1,14 +1,12 @@
 """`dstrain table --preset paper`: the paper's offline configuration (§4.1) at convergence on the embedded default
-target. A (family, seed) run is the unit: it trains, evaluates its best checkpoint and writes a small record
-(paper_record.py) that is committed; the table is assembled from records (paper_table.py).
+target. A (family, seed) run is the unit: it trains, evaluates its best checkpoint and writes a small committed record
+(paper_record.py); the table is assembled from records (paper_table.py).
 
 - Families: DSpark (Markov), DFlash (anchor + mask slots, only the masks predict), Eagle3 — the paper's Table 1.
-- Depth 5 : 1 (DSpark and DFlash 5 layers, Eagle3 1 layer), block size 7 (Eagle3's training-time-test horizon 7),
-  position weights exp(−(k−1)/7); everything else (anchors, window, learning rate) as the base recipe.
-- Convergence: up to `epochs` passes over the training split; after each, held-out τ on a fixed small subset (the
-  first `plateau_per_domain` held-out prompts of each domain, decoded in batches); a run stops when `patience`
-  evaluations in a row bring no new best. Only the best checkpoint gets the full held-out evaluation
-  (`held_out_per_domain` prompts per domain, a superset of the subset) and the benchmarks.
+- Depth 5 : 1, block size 7 (Eagle3's training-time-test horizon 7), position weights exp(−(k−1)/7); the rest as the
+  base recipe.
+- Convergence: up to `epochs` passes, held-out τ on a small fixed subset after each, stop after `patience`
+  evaluations without a new best; only the best checkpoint gets the full held-out evaluation and the benchmarks.
 """
 
 from __future__ import annotations
@@ -133,9 +131,9 @@ def estimates(sizes: PaperSizes, samples: int, runs: list[tuple[str, int]], cach
               ) -> list[tuple[str, str, float]]:
     """First-guess seconds per stage on one CPU core at SmolLM2-MoE sizes, assuming the plateau comes at two thirds of
     the epochs; refined as stages finish. Measured for DSpark (Markov, 5 layers, block 7) on 2026-12-03: 1.47 s a step
-    from cached features (the same at the 2026-12-02 commit: that record's 0.45 s was wrong), 1.1-2.3 s a step more
-    while it fills the cache, 108 s for the 12-prompt plateau subset, 790 s to decode 90 held-out prompts × 64 tokens.
-    DFlash and Eagle3 steps are scaled from DSpark's by the first guesses' ratios."""
+    from cached features, 1.1-2.3 s a step more while it fills the cache, 108 s for the 12-prompt plateau subset, 790 s
+    to decode 90 held-out prompts × 64 tokens. DFlash and Eagle3 steps are scaled from DSpark's by the first guesses'
+    ratios."""
     step_s = {"dspark-markov": 1.47, "dflash": 1.08, "eagle3": 0.59}
 
     def decode_s(prompts: int, tokens: int) -> float:

@@ -1,4 +1,4 @@
-"""results.json, results.md and the PNGs of tools/reproduce_table.py, from the stages' stored outputs."""
+"""results.json, results.md and the PNGs of `dstrain table`, from the stages' stored outputs."""
 
 from __future__ import annotations
 

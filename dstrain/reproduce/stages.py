@@ -1,4 +1,4 @@
-"""The stages of tools/reproduce_table.py: data → budget → train every family → learning-curve points →
+"""The stages of `dstrain table`: data → budget → train every family → learning-curve points →
 benchmark evaluation. Report writing is in report.py.
 
 Every stage stores the key (a hash of everything that decides its result) beside its output. With

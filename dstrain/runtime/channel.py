@@ -1,26 +1,12 @@
 """Target → drafter streaming (paper §5.1 "hidden state communication").
 
-Both sides draw the same anchors from the seeded sampler, so the target sends only the rows the
-drafter's blocks read: the captured layers' outputs at the deduplicated context rows (`ctx_rows`,
-sorted and unique) and the final pre-LM-head states at the deduplicated block rows. Never logits:
-the drafter applies the frozen LM head itself.
-
-One micro-batch is a fixed-size int64 header (shapes, dtype, loader position), host metadata (token
-ids, loss masks, sample ids as UTF-8) and a payload (the rows), sent with torch.distributed
-point-to-point. Pipeline-parallel targets send from every stage that owns capture layers; the last
-stage's sender also sends the header, tokens and final rows. Two paths behind one interface
-(`channel_path` picks, the run and the dry-run print which):
-- "nccl": every rank owns a GPU and the world's groups are NCCL. Payloads go device to device over the
-  default group; header and metadata travel over the gloo side group (`World.host_group`).
-- "host": everything over the gloo side group; CUDA payloads are first copied into pinned host buffers
-  (ranks that share one GPU, where NCCL cannot hold both, or a CPU run, where nothing is copied).
-
-Double buffering with back-pressure: a sender keeps at most `depth` micro-batches in flight and
-waits for the oldest before posting another; a receiver posts the next header's receive as soon as
-the current payload has arrived, so the target's next forward overlaps the drafter's step. "Waits"
-means the oldest sends have completed on both paths: gloo's Work.wait() blocks until then, NCCL's only
-orders the current stream after the send, so the NCCL path polls Work.is_completed() (the send's CUDA
-event) instead: the target blocks on the drafter taking its data, never on its own queued forward.
+Both sides draw the same anchors from the seeded sampler, so the target sends only the rows the drafter's blocks
+read: the captured layers at the deduplicated context rows (`ctx_rows`) and the final states at the deduplicated
+block rows; never logits. A micro-batch is an int64 header, host metadata (token ids, loss masks, sample ids) and a
+payload, sent point-to-point over "nccl" (payloads device to device, the rest over gloo) or "host" (all over gloo,
+CUDA payloads through pinned buffers), as `channel_path` picks. At most `depth` micro-batches are in flight and the
+next header's receive is posted early, so the target's next forward overlaps the drafter's step. Pipeline stages
+and what "waits" means on each path: dstrain/runtime/README.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Checkpoints: DeepSpeed engine state + our client state, written atomically, verified on load, last N kept.
 
-A checkpoint is written by DeepSpeed into `ckpt/.tmp-step-N/step-N`; the writer then lists every file
-it holds with its size and SHA-256, together with the step, the world layout and the data position, in
-`manifest.json` — written last — and renames the folder to `ckpt/step-N`; `ckpt/latest` is replaced
-atomically afterwards. A kill at any moment leaves either the previous checkpoint or the new one, never
-half of one; a full disk (or any write error) removes the staging folder and ends in one line naming the
-checkpoint that is still intact.
-
-Loading verifies the manifest (every file present, same size, same checksum). A truncated or altered
-checkpoint is reported in one line and the newest older good one is used; none good is a one-line
-error (exit 2). The resuming process (rank 0) moves a checkpoint it passed over aside into
-`ckpt/rejected/` (kept, never deleted) and points `latest` at the good one, so the damaged one is not
-met again by the next resume, by pruning or by anyone reading `latest`. The client state holds the step, the loader position and every RNG, so a resumed run
-continues exactly where the saved one was.
+A checkpoint is staged in `ckpt/.tmp-step-N/`, listed with every file's size and SHA-256 (plus step, world layout
+and data position) in `manifest.json`, written last, then renamed to `ckpt/step-N`; `ckpt/latest` is replaced
+atomically afterwards, so a kill at any moment leaves the previous checkpoint or the new one, never half of one.
+Loading verifies the manifest; a damaged checkpoint is reported in one line, moved to `ckpt/rejected/`, and the
+newest older good one is used. The client state holds the step, the loader position and every RNG, so a resumed
+run continues exactly where the saved one was. Details: dstrain/runtime/README.md.
 """
 
 from __future__ import annotations
@@ -177,7 +170,7 @@ def _reason(problem: str) -> str:
 
 def quarantine(ckpt_dir: Path, tag: str, problem: str) -> Path | None:
     """Move damaged checkpoint `tag` to ckpt_dir/rejected/<tag>-<reason>[-n]. Returns where it went, or None when it
-    is not there (another process moved it first) or cannot be moved (then it is only passed over, as before)."""
+    is not there (another process moved it first) or cannot be moved (then it is only passed over)."""
     rejected = ckpt_dir / REJECTED
     try:
         rejected.mkdir(exist_ok=True)

@@ -1,19 +1,11 @@
 """Stopping with a checkpoint: Slurm's notice (USR1), Ctrl-C (SIGINT) and SIGTERM all save at the next step boundary.
 
-- USR1 (Slurm's notice 120 s before the limit, or at preemption; slurm/train_dspark_moe.sh forwards it): save, every
-  process exits 0 (a non-zero worker would make torchrun restart the group inside an allocation about to end), and
-  the batch script requeues the job.
-- SIGINT / SIGTERM once training has started: save, exit with 128 + the signal's number. A repeat more than
-  REPEAT_S after the first stops at once, without a checkpoint; a repeat sooner is the same request delivered twice
-  (the terminal and torchrun both forward Ctrl-C; scancel and the agent both send SIGTERM). Before training starts
-  (loading, compiling) they stop at once, as without dstrain.
-- Handlers only set a flag; a listener thread fed by signal.set_wakeup_fd sees each signal at once, even while the
-  main thread is blocked inside a collective, so a repeat or a launcher's teardown is never held up by the step.
-- At each step boundary the drafter ranks agree: a MAX all-reduce of the flag over a gloo group of the drafters (one
-  int per step, on the host: no device sync). A signal that reached only some rank (a target, say) reaches the others
-  through the rendezvous store (watchdog.py), so every drafter saves the same step.
-- After the save the main drafter sets a store key; the target ranks' watchdog threads end their processes with the
-  same exit code (their main threads may be blocked sending micro-batches no drafter will take).
+USR1 saves and every process exits 0 (the batch script requeues the job); SIGINT / SIGTERM save and exit with
+128 + the signal's number; a repeat more than REPEAT_S after the first stops at once, and before training starts a
+signal stops at once. Handlers only set a flag, seen at once by a listener thread (signal.set_wakeup_fd) even while
+the main thread is blocked in a collective. At each step boundary the drafter ranks agree by a MAX all-reduce of
+the flag over a gloo group (on the host: no device sync); a signal that reached only some rank travels through the
+rendezvous store, so every drafter saves the same step. Why each choice: dstrain/runtime/README.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """No hangs when a rank dies or gets stuck: heartbeats with progress through the rendezvous store, and a
 watcher on every rank.
 
-A blocked gloo/NCCL call never returns when its peer is gone or frozen, so each rank runs a daemon thread
-that (1) bumps its own heartbeat counter in the store every second and publishes its *progress* (the step
-and phase its main thread is in, how long it has been there, and the stall bound it is held to), (2) reads
-the counters and progress of its next `WATCHED` ranks (a ring: constant store load per rank however large
-the world), and (3) reads one shared `abort` key. Every rank that sees a verdict prints one line naming the
-culprit rank, its role and its last step/phase, and ends with exit code 3 — whatever its main thread is
-blocked in. A lost store (the launcher holding it is gone) ends the rank the same way.
-
-The stall bound comes from the run's own step times: `max(run.stall_timeout_s, run.stall_factor × the
-slowest of the rank's last steps)`; before a rank finishes its first step (loading weights, DeepSpeed
-setup) it is `DSTRAIN_HEARTBEAT_TIMEOUT_S` (20 s) or the floor, whichever is larger. In phase `compile` (the
-trainer's warm-up, train/compiling.py: every shape of the step compiled before the first step, a length bucket
-at a time) it is `run.compile_timeout_s` per bucket, whatever the step times: a cold compile is not a slow step.
-
-Two ways a rank stops making progress, told apart:
-- **silent** — its heartbeat stops (SIGSTOP, killed, the whole process frozen). Where the watcher shares
-  the host with it, /proc says which: *stopped* (state T: SIGSTOP or a debugger; held to the floor
-  run.stall_timeout_s, not its step times), *died* (gone or a zombie;
-  named within a few seconds, no need to wait for the bound), or *hung* (running but its heartbeat thread
-  is frozen). A stopped or hung rank on this host is then SIGKILLed: it cannot end itself, and the launcher
-  would otherwise wait its own grace period (30 s in torchrun) before doing so. From another host the
-  verdict says it cannot tell which.
-- **stuck but alive** — its heartbeat continues but its step/phase has not moved for longer than its bound
-  in a phase where it does its own work (not one where it waits on others), while the watcher itself is
-  waiting too. It sees the verdict and exits like every other rank.
-
-A rank that ends cleanly marks itself done, so the others stop watching it. A rank stopped by a signal
-(its launcher tearing down a node after a local failure) records that, and the watchers keep looking for
-the rank that actually stopped responding before they report. Keys live under the launcher's restart
-count (TORCHELASTIC_RESTART_COUNT), so a run restarted by `torchrun --max-restarts` starts with a clean slate.
+A blocked gloo/NCCL call never returns when its peer is gone or frozen, so each rank runs a daemon thread that bumps
+its heartbeat and publishes its progress (step, phase, time in it, stall bound), watches its next `WATCHED` ranks (a
+ring: constant store load per rank) and one shared `abort` key. A rank whose heartbeat stops (stopped, died, hung:
+told apart through /proc on the same host) or whose step/phase stalls past its bound is named in one line by every
+rank that sees it, and every rank exits with code 3. The bound follows the run's own step times (floor
+`run.stall_timeout_s`; `run.compile_timeout_s` per bucket while compiling). Details: dstrain/runtime/README.md.
 """
 
 from __future__ import annotations

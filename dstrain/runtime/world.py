@@ -1,18 +1,11 @@
 """Process groups and roles.
 
-Colocated (default): every rank is a data-parallel replica holding a target and a drafter.
-Disaggregated: ranks [0, D) are DeepSpeed drafter workers and ranks [D, D+T) serve the frozen target
-(T = tp·pp·dp, megatron order tp fastest, then data-parallel replica, then pipeline stage). Drafters
-come first so that DeepSpeed's notion of "rank 0" is a drafter (see train/deepspeed_setup.py); on a multi-node
-launch the first nodes run drafters. With world.ranks_per_node set, D and T are each whole nodes and tp divides
-the node size, so every TP group sits inside one node, drafters never share a node with target ranks, and the
-drafter count moves the target by whole nodes only (tests/test_placement.py). Drafter j is fed by target replica j mod dp; inside a replica, the tensor-rank-0 process of every pipeline
-stage sends the rows it owns (captured layers of its stage; the last stage also the final states).
-
-Every process group is created on every rank in the same order (torch.distributed requires it,
-members or not); DeepSpeed only ever sees the drafter group, through `DrafterMPU`. The target and drafter groups
-use the default backend (NCCL on a CUDA run, gloo on the CPU); one more gloo group over every rank
-(`World.host_group`) carries what stays on the host: channel headers and resume messages.
+Colocated (default): every rank is a data-parallel replica holding a target and a drafter. Disaggregated: ranks
+[0, D) are DeepSpeed drafter workers and ranks [D, D+T) serve the frozen target (T = tp·pp·dp, megatron order), so
+DeepSpeed's "rank 0" is a drafter. Every process group is created on every rank in the same order (torch.distributed
+requires it); DeepSpeed only sees the drafter group, through `DrafterMPU`; a gloo group over every rank
+(`World.host_group`) carries channel headers and resume messages. Node placement and which target replica feeds
+which drafter: dstrain/runtime/README.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Work per step on each side of the channel, and the target:drafter rank ratio that balances them.
 
-Counted as matmul FLOPs (2 per multiply-add), the way MFU is counted:
-- target, per token of a training sequence: every active weight matrix outside the embedding and the LM
-  head (the LM head runs on the drafter side; norms and biases are not matmuls), plus attention scores and values over the causal context
-  (capped by a sliding window where the target has one);
-- drafter, per supervised position (anchors x block size): forward and backward (3x) of the drafter's
-  trainable layers on its block tokens, of the context fusion and context k/v projections on the
-  deduplicated context rows, of block attention over window + block keys; the three d x V vocabulary
-  GEMMs of DESIGN §6 (target logits, draft logits, their backward into the hidden state: no weight
-  gradient, the LM head is frozen) and the Markov head's r x V GEMM (forward, input and weight grads).
-The balancing ratio assumes both sides sustain the same FLOP/s per rank; the plan says so where it prints it.
-It counts what the target ranks execute, not what the model needs: without sequence parallelism every rank of a
-TP group dispatches the same tokens to the experts (EP is carved from the TP ranks), so each routed expert computes
-each token tp times; uneven pipeline stages make the others wait on the largest.
+Matmul FLOPs (2 per multiply-add), as MFU counts them. Target, per training token: every active weight matrix but
+the embedding and LM head, plus attention over the causal context (capped by a sliding window). Drafter, per
+supervised position, forward and backward (3x): its layers on the block tokens, context fusion and k/v projections
+on the deduplicated context rows, block attention, the three d x V vocabulary GEMMs of train/losses.py and the
+Markov head's r x V one. The balancing ratio assumes equal FLOP/s per rank. The target side counts what its ranks
+execute: without sequence parallelism each routed expert computes each token tp times (EP is carved from the TP
+ranks), and uneven pipeline stages wait on the largest.
 """
 
 from __future__ import annotations
@@ -48,7 +42,7 @@ class StepFlops:
 
 def sequence_parallel(recipe, sizes) -> bool:
     """The megatron target splits tokens over its TP ranks before the expert dispatch whenever tp > 1 with experts
-    (megatron-core refuses TP with EP otherwise in training mode; issue 22's layout rule)."""
+    (megatron-core refuses TP with EP otherwise in training mode)."""
     return recipe.target.backend == "megatron" and recipe.world.target.tp > 1 and bool(sizes.num_experts)
 
 

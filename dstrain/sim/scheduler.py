@@ -1,18 +1,10 @@
 """Hardware-aware prefix scheduler (paper §3.2.2, Algorithm 2): how many drafts of each request to verify.
 
-Survival a_{r,j} = Π_{i≤j} c_{r,i} is non-increasing in j, so admitting candidate prefix extensions in
-one global descending order of survival never admits position j before j−1 of the same request. Along
-that order, after admitting i extensions the batch is B = R + i tokens and the expected accepted
-tokens τ = R + Σ admitted a; Θ = τ · SPS(B) from the profiled cost table. The causal scheduler stops
-at the first admission that does not raise Θ (Θ ≤ Θ_best): the decision to stop never looks past the
-prefix processed so far, which keeps verification non-anticipating and so lossless (Appendix 8).
-`early_stop=False` is the retrospective global argmax, kept only to demonstrate the bias.
-
-Asynchronous variant (§5.2): the batch capacity K is chosen by the unconstrained global search over
-survivals from two steps earlier (known before the current tokens exist, so no early stop is needed
-and jagged SPS cliffs cannot trap it), then the current step admits its top-K extensions by
-up-to-date survival — a rank-preserving, prefix-closed selection.
-Vectorised: one sort, one cumulative sum, no per-token Python loop.
+Survival a_{r,j} = Π_{i≤j} c_{r,i} is non-increasing in j, so admitting candidate prefix extensions in one global
+descending order of survival never admits position j before j−1 of the same request. Along that order, after
+admitting i extensions the batch is B = R + i tokens and the expected accepted tokens τ = R + Σ admitted a;
+Θ = τ · SPS(B) from the profiled cost table. `schedule` is the causal scheduler, `async_capacity` + `admit_top_k`
+the asynchronous variant (§5.2). Vectorised: one sort, one cumulative sum, no per-token Python loop.
 """
 
 from __future__ import annotations
@@ -44,7 +36,11 @@ def _lengths(order: torch.Tensor, admitted: int, r: int, gamma: int) -> torch.Te
 
 
 def schedule(surv: torch.Tensor, sps: torch.Tensor, early_stop: bool = True) -> torch.Tensor:
-    """surv [R, γ] (non-increasing along γ), sps [B_max + 1] steps/s by batch size in tokens → lengths [R]."""
+    """surv [R, γ] (non-increasing along γ), sps [B_max + 1] steps/s by batch size in tokens → lengths [R].
+
+    The causal scheduler stops at the first admission that does not raise Θ (Θ ≤ Θ_best): the decision to stop never
+    looks past the prefix processed so far, which keeps verification non-anticipating and so lossless (Appendix 8).
+    `early_stop=False` is the retrospective global argmax, kept only to demonstrate the bias."""
     r, gamma = surv.shape
     if gamma == 0 or r == 0:
         return torch.zeros(r, dtype=torch.long)
@@ -59,7 +55,9 @@ def schedule(surv: torch.Tensor, sps: torch.Tensor, early_stop: bool = True) -> 
 
 def async_capacity(stale_surv: torch.Tensor, sps: torch.Tensor) -> int:
     """K: how many draft tokens the next step verifies, by the unconstrained search over survivals from two steps
-    earlier (already known, so the search cannot see the current tokens)."""
+    earlier (already known, so the search cannot see the current tokens, needs no early stop, and jagged SPS cliffs
+    cannot trap it). The current step then admits its top-K extensions by up-to-date survival (admit_top_k): a
+    rank-preserving, prefix-closed selection."""
     if stale_surv.numel() == 0:
         return 0
     return int(torch.argmax(_admission_path(stale_surv, sps)[1]))

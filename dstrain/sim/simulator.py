@@ -76,7 +76,7 @@ class Simulator:
                 ell = (surv >= threshold).long().cumprod(1).sum(1)
             elif policy == "scheduler":
                 ell = schedule(surv, self.sps)
-            elif policy == "async":  # capacity from two steps earlier, admission by today's survival
+            elif policy == "async":  # capacity from two steps earlier, admission by the current survival
                 stale = history[-2] if len(history) >= 2 else surv
                 ell = admit_top_k(surv, async_capacity(stale, self.sps))
             else:

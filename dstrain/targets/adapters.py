@@ -21,7 +21,7 @@ ADAPTERS: dict[str, str] = {
     "mixtral": GPT,
     "qwen3_moe": GPT,
     "deepseek_v3": "dstrain.families.deepseek_v3.target:ADAPTER",
-    "deepseek_v4": "dstrain.families.deepseek_v4.target:ADAPTER",  # its own megatron model (v4_model.py), not a GPTModel
+    "deepseek_v4": "dstrain.families.deepseek_v4.target:ADAPTER",  # its own megatron model (deepseek_v4/model.py)
 }
 
 

@@ -1,20 +1,11 @@
 """Read one rank's slices straight from a checkpoint's safetensors shards: exact byte ranges, bounded memory.
 
-The safetensors headers (8-byte little-endian length + JSON: dtype, shape, data_offsets) are parsed here,
-and tensor bytes are fetched with positioned reads into preallocated buffers — no mmap of whole files,
-no safe_open.get_tensor — so a rank's resident memory grows by its own parameters plus one bounded
-chunk, and `bytes_read` counts exactly what left the disk.
-
-- A whole tensor or a dim-0 slice is one contiguous byte range; when the destination already has the
-  on-disk dtype it is read straight into the destination's memory.
-- A slice along a later dim (tensor-parallel columns) streams whole rows in chunks of ≤ `chunk_bytes` and
-  keeps the owned columns: the rest of each row is read too (counted in `bytes_read` and `disk_bytes`).
-- Block-quantised FP8 (DeepSeek: `X.weight` float8_e4m3fn with `X.weight_scale_inv` fp32 — or `X.scale`,
-  ue8m0, as DeepSeek-V4-Flash ships it) is dequantised slice by slice: value × the scale of its
-  (row // b0, col // b1) block, computed in fp32 as transformers does, then cast. Only the scale rows or
-  columns covering the slice are read. FP4-packed experts (`expert_dtype: fp4`: two e2m1 per int8 byte)
-  are unpacked the same way. A weight is dequantised iff its shard holds a scale companion, so
-  `modules_to_not_convert` needs no handling here: those weights are simply stored unquantised.
+The safetensors headers are parsed here and tensor bytes fetched with positioned reads into preallocated buffers (no
+mmap of whole files, no safe_open.get_tensor), so a rank's resident memory grows by its own parameters plus one
+bounded chunk, and `bytes_read` counts exactly what left the disk. Dim-0 slices are one byte range; column slices
+stream whole rows in chunks and keep the owned columns. Block-quantised FP8 (`weight_scale_inv` or V4-Flash's ue8m0
+`scale`) and FP4-packed experts are dequantised slice by slice in fp32, as transformers does; a weight is
+dequantised iff its shard holds a scale companion. Details: dstrain/targets/README.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Hugging Face backend: any transformers causal LM from a local folder (or a random tiny config).
 
-Capture uses forward hooks on the decoder layers, so one backend serves Llama, Mixtral,
-Qwen3-MoE, DeepSeek-V3 and DeepSeek-V4 without per-family code. The final states come from the
-base model's `last_hidden_state` (after the final norm: exactly what the LM head multiplies), so
-the LM head itself is never run on the target side.
-
-mHC targets (DeepSeek-V4) carry n residual streams between layers ([B, T, n, d]). A captured
-layer's feature is the mean over its streams: what vLLM and SGLang hand a V4 DSpark drafter (not the
-hc_head collapse, which only the final states go through). The megatron V4 model reads out the same.
+Capture uses forward hooks on the decoder layers, so one backend serves Llama, Mixtral, Qwen3-MoE, DeepSeek-V3 and
+DeepSeek-V4 without per-family code. The final states are the base model's `last_hidden_state` (after the final
+norm: exactly what the LM head multiplies), so the LM head itself never runs on the target side. mHC targets
+(DeepSeek-V4) carry n residual streams between layers ([B, T, n, d]): a captured layer's feature is the mean over
+its streams, what vLLM and SGLang hand a V4 DSpark drafter (the megatron V4 model reads out the same).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def _mla_local_core_attention() -> None:
     (kv_channels defaults to hidden/heads, 56 for DeepSeek-V3, not v_head_dim 128) and its default softmax
     scale from kv_channels too. The fix, as upstream shapes it: q/k heads are k_channels wide (default
     kv_channels), v heads v_channels (default k_channels); the output is v_channels × heads; the default
-    scale is 1/sqrt(k_channels). Without the two arguments the class behaves exactly as before."""
+    scale is 1/sqrt(k_channels). Without the two arguments the class behaves exactly as megatron's own."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.utils import divide
 

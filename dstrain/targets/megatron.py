@@ -1,22 +1,12 @@
 """megatron-core backend: a frozen GPTModel (DeepSeek-V4: its own megatron model) sharded tensor × pipeline × expert
 parallel.
 
-Built from a checkpoint folder (a `source: random` target is first written as one, random_checkpoint.py)
-through its family's adapter (adapters.py), on the target ranks' own process groups (a
-ProcessGroupCollection, so drafter ranks can share the world). Each rank reads only the slices its
-shard plan names, straight from the safetensors shards (sharded_load.py, checkpoint.py).
-Forward hooks capture the chosen layers on the stage that owns them; the final pre-LM-head states
-are the output of the last stage's final norm, where the forward stops: the LM head never runs on
-the target side. Pipeline stages are chained with megatron's P2PCommunicator, one micro-batch at
-a time, forward only.
-
-Every target rank ends a forward holding `local_captured` (its stage's capture layers, [B, T, m_s, d])
-and, on the last stage, `final_hidden`. Tensor ranks of a stage hold identical copies.
-
-MoE at tp > 1 runs sequence parallel (the adapters set it): between layers each tensor rank holds 1/tp of the
-sequence, so a forward pads the batch right to a multiple of tp (causal attention keeps the real positions exact)
-and the captured layers and final states are gathered along the tensor group, then cut back to T. Pipeline stages
-hold the layer counts of `pipeline_layers` (world.target.pipeline_layers; None: equal).
+Built from a checkpoint folder through its family's adapter (adapters.py), on the target ranks' own process groups,
+each rank reading only the slices its shard plan names (sharded_load.py, checkpoint.py). Forward hooks capture the
+chosen layers on the stage that owns them; the forward stops at the last stage's final norm (the LM head never runs
+on the target side). Every target rank ends a forward holding `local_captured` ([B, T, m_s, d]) and, on the last
+stage, `final_hidden`. MoE at tp > 1 runs sequence parallel, so a forward pads the batch to a multiple of tp and
+gathers the outputs along the tensor group. Details: dstrain/targets/README.md.
 """
 
 from __future__ import annotations

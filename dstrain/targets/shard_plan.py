@@ -1,6 +1,6 @@
 """Shard plans: which slices of which checkpoint tensors one target rank owns, known before reading any.
 
-A family adapter (megatron_weights for the GPT families, deepseek_v3 for MLA, …) turns a transformers
+A family adapter (families/gpt for the GPT families, families/deepseek_v3 for MLA, …) turns a transformers
 config and a rank's coordinates into a list of `Param`s: the megatron parameter to fill, the slices of
 published checkpoint tensors it is made of (`Read`: key as published, the full shape the config implies,
 and the row/column range this rank owns), and how to combine them (concatenate gate and up, interleave

@@ -1,18 +1,10 @@
 """Execute a rank's shard plan: copy each Param's checkpoint slices into the megatron module, in place.
 
-Params whose combine is `whole` or `cat0` (every GPT-family param) are streamed: each Read lands directly
-in its rows of the destination parameter, so nothing but the reader's bounded chunk buffer is allocated.
-Any other combine materialises its reads, combines them, copies, and frees them before the next param.
-Coverage is checked first: every state key of the module but `_extra_state` and the LM head
-(`output_layer.`, applied on the drafter side) is filled by exactly one Param.
-
-Device parameters (a CUDA run builds megatron on its GPU) are filled through one reusable host buffer
-(`Staging`, pinned for CUDA): each Read is split into row pieces that fit `buffer_bytes`, read into the
-buffer, copied to its rows on the device, and the buffer is reused once that copy has finished. A rank's
-extra host memory while loading is therefore bounded by
-    max(buffer_bytes, the largest column-sliced Read, the largest combined Param) + the reader's chunk_bytes
-(column slices and combined Params cannot be split into row pieces; the reader's own chunk buffer bounds
-its dequantisation and column-gathering work). LoadStats.host_peak reports the first term as measured.
+Params whose combine is `whole` or `cat0` (every GPT-family param) are streamed straight into their rows of the
+destination; any other combine materialises, combines, copies and frees its reads one param at a time. Coverage is
+checked first: every state key but `_extra_state` and the LM head is filled by exactly one Param. Device parameters
+are filled through one reusable (pinned, for CUDA) host buffer, so a rank's extra host memory while loading is
+bounded; the bound, and what LoadStats.host_peak reports: dstrain/targets/README.md.
 """
 
 from __future__ import annotations

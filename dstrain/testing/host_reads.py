@@ -1,20 +1,12 @@
 """The meta-device CUDA check: training-path code run on `meta` with its CUDA branches taken, every host read recorded
 with the dstrain file:line that made it. Used by tests/test_host_reads.py and `python tools/host_reads.py`.
 
-On `meta` nothing is computed, so a host read cannot hide: a value the host would wait for does not exist. What counts:
-  scalar    .item(), float(), int(), bool(), `if t:` on a device tensor
-  shape     ops whose output shape depends on values: nonzero, unique, masked_select, boolean-mask indexing,
-            repeat_interleave without output_size, bincount
-  to-host   .cpu(), .tolist(), .numpy(), .to("cpu") of a device tensor
-  host-in   a host tensor (not 0-d) fed to a device op: CUDA copies it over and the host waits (Python-list
-            indexing, torch.tensor([...]) mixed in, CPU index tensors)
-  blocking  a blocking host-to-device copy (.to(device) without non_blocking=True)
-Each is recorded, answered with a stand-in (1 for a scalar, an upper-bound shape, zeros on the host) and the run goes
-on, so one check lists them all.
-
-CUDA branches: the product asks one predicate (dstrain.devices.on_cuda); `cuda_branches()` makes it answer yes for
-`meta` and stands in for what those branches call that needs a GPU (pinned memory, torch.compile — compiled kernels
-are the GPU session's to run — the free-memory query). Patches live here only.
+On `meta` nothing is computed, so a host read cannot hide. Counted: scalar reads (.item(), `if t:`), data-dependent
+shapes (nonzero, unique, masked_select, boolean-mask indexing, repeat_interleave without output_size, bincount),
+to-host copies, host tensors (not 0-d) fed to a device op, and blocking host-to-device copies; each is answered with
+a stand-in (1, an upper-bound shape, zeros on the host), so one run lists them all. `cuda_branches()` makes
+dstrain.devices.on_cuda answer yes for `meta` and stands in for what those branches need a GPU for (pinned memory,
+torch.compile, the free-memory query). Patches live here only.
 """
 
 from __future__ import annotations

@@ -2,12 +2,11 @@
 family (Qwen3-MoE), DeepSeek-V3 and DeepSeek-V4; its host reads recorded (host_reads.py).
 
 megatron-core asks torch.cuda itself (current_device, streams, the RNG tracker's CUDA generator) and allocates with
-device="cuda": `cuda_as_meta()` answers for a one-GPU machine and sends every CUDA allocation and copy to meta. Its MoE
-token dispatch reads split sizes on the host by design (the all-to-all dispatcher's `.cpu()` of tokens per expert):
-the first such read of each MoE layer is listed as megatron's own and the layer's output stood in, so the layers
-after it still run.
-
-Run in a process of its own (it starts a one-rank gloo world): `python -m dstrain.testing.meta_targets --json OUT`.
+device="cuda": `cuda_as_meta()` answers for a one-GPU machine and sends every CUDA allocation and copy to meta. Its
+MoE token dispatch reads split sizes on the host by design (the all-to-all dispatcher's `.cpu()` of tokens per
+expert): the first such read of each MoE layer is listed as megatron's own and the layer's output stood in, so the
+layers after it still run. Run in a process of its own (it starts a one-rank gloo world):
+`python -m dstrain.testing.meta_targets --json OUT`.
 """
 
 from __future__ import annotations

@@ -2,14 +2,11 @@
 
   off   eager
   loss  the vocabulary pass as one compiled kernel per loss chunk (vocab_fused.py)
-  step  that, and the drafter module compiled in place: forward and backward as inductor graphs (no graph break at
-        the static packing's shapes, so warm_up's compiles, one per length bucket at most, serve every step; the
-        state-dict names stay the drafter's own)
+  step  that, and the drafter module compiled in place (no graph break at the static packing's shapes)
   auto  loss on CUDA, off on the CPU (measured: docs/benchmarks.md, "The compiled vocabulary pass")
 
-flex_attention (CUDA without a window) is compiled whatever the mode. Whatever is compiled, `warm_up` compiles it for
-every length bucket before the first step, so no step compiles: the first step is not a cold compile the watchdog
-would time as a step, and no later bucket recompiles mid-run.
+flex_attention (CUDA without a window) is compiled whatever the mode. `warm_up` compiles everything for every length
+bucket before the first step, so no step compiles: the watchdog never times a cold compile as a step.
 """
 
 from __future__ import annotations

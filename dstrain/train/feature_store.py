@@ -2,22 +2,10 @@
 
 The target is frozen, so a sample's captured layers and final states are a pure function of (target weights,
 capture layers, dtype, device kind, the sample's token ids). Training several drafters on one corpus (the family
-table) or many epochs over small data pays the target forward once per sample instead of once per visit.
-
-Layout: `<root>/<namespace>/<key[:2]>/<key>.feat` (and `<root>/fingerprints/`, see target_fingerprint). The namespace hashes the target fingerprint, capture layers,
-dtype, device kind and the layer readout's version; the key hashes the token ids (not the sample's index: shards can be rebuilt or reordered).
-An entry is `MAGIC | u32 header length | JSON header (shapes, dtype, key, payload length, crc32) | payload`.
-
-- Written atomically: a private temp file in the entry's folder, fsync, then rename. Readers never see a torn
-  entry from a live writer; a torn or corrupt entry left by a crash or a bad disk fails the length/crc/key
-  check, is counted (`corrupt`), removed, and recomputed by the caller.
-- Several processes (the ranks of a run, or two runs) share a folder safely: two writers of one key each
-  rename a complete file (the last wins; both are the same features), a reader holds its own file handle,
-  and eviction runs under an flock.
-- Bounded: entries are touched on a hit (mtime = last use); when the bytes this process believes are on disk
-  pass `max_bytes`, it rescans the whole root under the lock and deletes least recently used entries down to
-  90 % of the bound. Each process rescans at least every `max_bytes / 20` bytes it writes, so with N
-  concurrent writers the folder overshoots the bound by at most N × 5 %.
+table) or many epochs over small data pays the target forward once per sample instead of once per visit. Entries
+are written atomically (temp file, fsync, rename), checked on read (length, crc, key; a bad one is removed and
+recomputed), shared safely by concurrent processes, and evicted least recently used under an flock when the folder
+passes `max_bytes`. Layout, entry format and the eviction bound: dstrain/train/README.md.
 """
 
 from __future__ import annotations

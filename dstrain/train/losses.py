@@ -1,24 +1,11 @@
 """Draft-vs-target losses over the vocabulary, fused with their gradient (paper §3.3).
 
-For each supervised position the draft distribution p_d = softmax(h_d·Wᵀ + a·W₂) (a = W₁[x_{k−1}], the
-Markov bias; absent for drafters without one) and the target distribution p_t = softmax(h_t·Wᵀ). The loss
-Σ_n c_ce,n·CE_n + c_tv,n·‖p_d,n − p_t,n‖₁ is computed in chunks of *rows* over the full vocabulary, and each
-chunk's gradient is taken while its logits are at hand (as fused linear-cross-entropy kernels do): the per-row
-coefficients are known in forward, the gradient is linear in them, and backward only scales what forward
-stored by the scalar upstream gradient. So each supervised position costs the three unavoidable d×V GEMMs
-(draft logits, target logits, the logits' backward into h_d) plus the Markov head's r×V ones, one pass of
-elementwise work per chunk, and no [N × V] tensor lives beyond one chunk in forward or backward.
-Target logits are computed once per distinct target row in a chunk (overlapping blocks share rows).
-
-Gradient of the L1 term with respect to the draft logits: ∂/∂U_v Σ|p_d − p_t| = p_d,v (s_v − Σ_u p_d,u s_u),
-s = sign(p_d − p_t). Probabilities are exact softmaxes (computed in fp32), which rejection sampling relies on.
-
-bf16 on CUDA: the vocabulary GEMMs take the bf16 operands as they are (tensor cores, fp32 accumulation and
-fp32 output: products of bf16 values are exact in fp32, so the logits equal those of upcast operands, without
-fp32 copies of the LM head); the backward GEMMs take the fp32 logit gradient rounded to bf16, as mixed-precision
-training does. Everything after the GEMMs stays fp32. Elsewhere (CPU, fp32, fp64) the operands are upcast to at
-least fp32 (the CPU has bf16 GEMMs, but torch has no fp32-output kernel for them there: logits rounded to bf16
-would not equal the reference's).
+The loss Σ_n c_ce,n·CE_n + c_tv,n·‖p_d,n − p_t,n‖₁ (p_d the draft softmax with the Markov bias, p_t the target's)
+is computed in chunks of rows over the full vocabulary, and each chunk's gradient is taken while its logits are at
+hand (as fused linear-cross-entropy kernels do): each supervised position costs the three unavoidable d×V GEMMs
+plus the Markov head's r×V ones, and no [N × V] tensor lives beyond one chunk. Probabilities are exact fp32
+softmaxes, which rejection sampling relies on. The L1 gradient, the bf16 rules on CUDA and why other devices upcast:
+dstrain/train/README.md.
 """
 
 from __future__ import annotations

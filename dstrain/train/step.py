@@ -104,7 +104,7 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
 def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int,
                  slots: int | None = None, flex: bool = False, max_length: int | None = None) -> PackedBlocks:
     """The static packing: exactly anchors_per_seq block slots per sequence (padding where a sequence has fewer
-    candidates, keep False), so the step's shapes never depend on the draw (issue 23). `flex`: its attention as
+    candidates, keep False), so the step's shapes never depend on the draw. `flex`: its attention as
     flex_attention over a BlockMask (CUDA) instead of SDPA over BlockGroups. `max_length`: the recipe's
     data.max_length, whose few length buckets (packing.length_buckets) are the only lengths the batch is padded to."""
     drawn = [anchor_slots(s.loss_mask, anchors_per_seq, anchor_generator(seed, s.meta["id"], epoch)) for s in samples]

@@ -1,36 +1,12 @@
-"""Counters for one training step, taken on the CPU as a GPU would see it (issue 23: operation counts do not
-depend on the device, so the step's shape can be measured and ratcheted without one).
+"""Counters for one training step, taken on the CPU as a GPU would see it (operation counts do not depend on device).
 
     with StepCounter(vocab=V, rows=N) as c:
         step()
     c.summary()
 
-What is counted (a TorchDispatchMode sees every aten op of forward, loss and backward; a few Python-level tensor
-methods that dispatch nothing on a CPU tensor are wrapped for the duration):
-  kernels    aten ops on device tensors that would launch a kernel on CUDA. Views and metadata (func.is_view, detach,
-             _unsafe_view, lift_fresh, scalar_tensor, ops without a tensor output) and bare allocations (empty*) launch
-             nothing: counted as `views`. Backward ops count as kernels like forward ones.
-  host ops   aten ops whose tensor inputs all live on the host: work the CPU does inside the step (no kernel, but
-             time on the critical path between launches). Host-born tensors are those made by a torch factory called
-             without `device=` (torch.arange(n), torch.tensor([...]), ...), by .cpu()/.tolist(), and ops on them.
-             Everything else (parameters, the step's inputs, factories given a device) is device-resident.
-  syncs      what makes the host wait for the device on CUDA, each with the file:line in the repo that issued it:
-             scalar    _local_scalar_dense on a device tensor (.item(), float(), int(), bool(), if t: ...)
-             shape     data-dependent output shapes: nonzero, unique, masked_select, boolean-mask indexing and
-                       index_put, repeat_interleave without output_size, bincount, equal
-             copy      blocking copies: .to(device)/.cuda() of a host tensor without non_blocking=True,
-                       torch.tensor(..., device=...), a host tensor (not 0-d) mixed into a device op (CUDA copies
-                       an index tensor over), and .cpu()/.tolist()/.numpy() of a device tensor (device to host).
-             A sync in backward is named by its autograd node ("... in IndexBackward0"); its Python line is the
-             .backward() call.
-             Approximation: .to(...) of a device tensor is taken as device-to-device (a no-op), even to "cpu";
-             CUDA-only calls the CPU run never makes (torch.cuda.mem_get_info in losses.vocab_loss) are not seen.
-  vocab      bytes of the kernels' tensor inputs and outputs whose last dimension is V (reads + writes; in-place ops
-             count their operand twice; a broadcast dimension counts once), weights' storages excluded (`weights`),
-             in units of an fp32 [rows x V] tensor.
-  attention  (query, key) scores per head each F.scaled_dot_product_attention call computes (batch x queries x
-             keys), forward only; the caller supplies the pairs the masks need (see needed_pairs).
-  shapes     the multiset of (op, output shapes) of the kernels: equal for two anchor draws iff the step is static.
+A TorchDispatchMode sees every aten op of forward, loss and backward and counts kernels, views, host ops, host syncs
+(each with its file:line), [rows x V] traffic, attention scores and the kernels' shapes (equal for two anchor draws
+iff the step is static), so the step's shape is ratcheted without a GPU. Each counter: dstrain/train/README.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A training step's metrics kept on the device (issue 23): the step only queues kernels, and the host reads the
+"""A training step's metrics kept on the device: the step only queues kernels, and the host reads the
 metrics back once per log line, with one copy of one stacked tensor. On a GPU a `.item()` inside the step would
 make the host wait for everything queued before it, every step.
 

@@ -1,15 +1,12 @@
 """Where a step's time goes and how much work it did: the train/ throughput metrics.
 
-Per logged window, per step: `wait_s` blocked on the next micro-batches (disaggregated: the channel from the target
-ranks; colocated: the data loader), `target_s` in the frozen target's forward inside the step (colocated runs; the
-feature cache's reads count here too), `compute_s` the drafter's own forward, backward and optimizer step.
-`target_wait_fraction` = (wait + target) / step time: how much of the drafter rank's time the target costs it — the
-number that says whether to add target or drafter ranks. `tflops` is the drafter's achieved matmul TFLOP/s over its
-compute time, counted by dstrain/sim/flops.py (forward + backward, the way MFU is counted), and `mfu` divides it by the
-device's peak (dense bf16 tensor-core TFLOP/s from the table below, or `run.peak_tflops`; absent when neither knows).
-On a GPU a step only queues its kernels (its metrics are read back at the log line): the host's clock measures
-launches, and the wait at the log line for the device to catch up counts as compute (`drain`). Over a window the
-sum is the window's wall time; the split between wait, target and compute is the host's view.
+Per logged window, per step: `wait_s` blocked on the next micro-batches (the channel, or the colocated data loader),
+`target_s` in the frozen target's forward inside the step (colocated; feature-cache reads count here), `compute_s`
+the drafter's own forward, backward and optimizer step. `target_wait_fraction` = (wait + target) / step time says
+whether to add target or drafter ranks. `tflops` is the drafter's matmul TFLOP/s over its compute time (counted by
+dstrain/sim/flops.py, as MFU is) and `mfu` divides it by the device's peak (the table below, or `run.peak_tflops`).
+On a GPU a step only queues kernels, so the host's clock measures launches and the wait at the log line counts as
+compute (`drain`): over a window the parts sum to the wall time, split as the host sees it.
 """
 
 from __future__ import annotations

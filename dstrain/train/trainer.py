@@ -229,7 +229,7 @@ class Trainer:
             accept = (1 - 0.5 * tv).clamp(0, 1)
             pos_acc += (accept * valid).sum(0)
             pos_n += valid.sum(0)
-            if out.confidence_logits is not None:  # this rank's positions, as before (not all-reduced)
+            if out.confidence_logits is not None:  # this rank's positions only (not all-reduced)
                 binned = calibration_bins(torch.sigmoid(out.confidence_logits.detach().float()), accept.detach(), valid)
                 bins = binned if bins is None else bins + binned
         if grad_norm is None:  # bf16 / ZeRO optimizers: the norm their step computed before clipping

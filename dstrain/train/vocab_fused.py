@@ -1,22 +1,12 @@
-"""The vocabulary pass fused by torch.compile (issue 23; `train.compile: loss`).
+"""The vocabulary pass fused by torch.compile (`train.compile: loss`).
 
-losses._FusedVocabLoss's eager chunk loop reads and writes about 30 [rows x V] tensors per step (softmaxes,
-differences, signs, products, each its own kernel). Here each loss chunk does:
-
-  u = [h_d | a_prev] @ [W | W₂ᵀ]ᵀ    draft logits with the Markov bias folded into the one GEMM (no bias table)
-  t = h_t[distinct rows] @ Wᵀ        target logits once per distinct target row of the chunk
-  ce, tv, g_u = vocab_rows(u, t, …)  one compiled kernel: both softmaxes, CE, TV and the logits' gradient
-  [grad_h | grad_a] = g_u @ [W | W₂ᵀ];  grad_W₂ += a_prevᵀ @ g_u
-
-so the step reads and writes about 7 [rows x V] tensors (6.0-7.5 counted at 512 anchors; the [r x V] W₂ gradient
-adds r/rows per chunk; bf16 logits on CUDA: half that in bytes). The compiled
-kernel is wrapped in a custom op (dstrain::vocab_rows), so autograd, the step counters and an outer torch.compile
-see one operation: it reads each operand once and keeps a row in cache while it makes its passes over it (a
-V4-Flash fp32 row is 0.5 MB). The same math runs eagerly when torch.compile is unavailable; tests hold it to the
-eager loss at fp64 (1e-10).
-
-On CUDA with bf16 operands the GEMMs write bf16 logits (as Megatron's fused cross-entropy reads them): the
-softmaxes are still exact fp32 softmaxes, of the rounded logits. Elsewhere the operands are upcast as in losses.py.
+Each loss chunk does one GEMM for the draft logits with the Markov bias folded in ([h_d | a_prev] @ [W | W₂ᵀ]ᵀ), one
+for the target logits of its distinct target rows, and one compiled kernel (`vocab_rows`: both softmaxes, CE, TV and
+the logits' gradient), so the step reads and writes about 7 [rows x V] tensors where the eager loop of
+losses._FusedVocabLoss reads about 30. The kernel is a custom op (dstrain::vocab_rows), so autograd, the step
+counters and an outer torch.compile see one operation. The same maths runs eagerly when torch.compile is
+unavailable; tests hold it to the eager loss at fp64 (1e-10). The chunk's algebra and its bf16 rules:
+dstrain/train/README.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """DeepSeek-V3 (MLA + sigmoid-routed MoE) on megatron-core: config, layer spec and each rank's shard plan.
 
-Every V3 semantic maps onto megatron-core 0.16.1's own modules (local spec, no TransformerEngine):
-- MLA: MLASelfAttention from the local spec, with mcore_patches' fixes (the local DotProductAttention takes
-  MLA's k/v widths) and replicated q/kv down-projections (see layer_spec).
-  HF's q_a/kv_a projections, norms and up-projections map one to one; kv_b_proj's per-head rows
-  [k_nope; v] are exactly megatron's linear_kv_up_proj rows, so tensor parallelism slices whole heads.
-- RoPE: megatron's MLA rope de-interleaves the rope dims before a half-split rotation, which is what HF's
-  `rope_interleave=True` (V3's default) computes. For `rope_interleave=False` the rope rows of q_b_proj /
-  q_proj and kv_a_proj_with_mqa are permuted on load (even slots ← first half, odd ← second half) so the
-  de-interleave restores HF's order. Yarn maps to megatron's yarn rope; its mscale enters the softmax scale.
-- Router: sigmoid scores, `e_score_correction_bias` as megatron's fp32 `router.expert_bias` buffer (it picks
-  experts, never weights them; megatron updates it only under grad, which a frozen target never enables),
-  group-limited top-k, top-k renormalisation, routed_scaling_factor; shared experts; the first
-  `first_k_dense_replace` layers dense (moe_layer_freq list).
-What megatron cannot express is refused by check_layout (one line, "use target.backend=hf").
+Every V3 semantic maps onto megatron-core 0.16.1's own modules (local spec, no TransformerEngine): MLA through
+MLASelfAttention with mcore_patches' fixes and replicated q/kv down-projections; HF's RoPE order recovered by
+permuting rope rows on load when `rope_interleave=False`; yarn as megatron's yarn rope; the sigmoid router's
+`e_score_correction_bias` as megatron's fp32 `router.expert_bias` (it picks experts, never weights them), with
+group-limited top-k, renormalisation, routed_scaling_factor, shared experts and the first dense layers. What
+megatron cannot express is refused by check_layout (one line, "use target.backend=hf"). The mapping, weight by
+weight: dstrain/families/README.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """DeepSeek-V4 attention on megatron-core's linears: low-rank q, one shared K=V head with partial RoPE (undone on
 the output), per-head sinks, grouped low-rank output, sliding window, and the CSA / HCA compressed keys.
 
-Semantics follow transformers' DeepseekV4Attention (modeling_deepseek_v4.py); the arithmetic does not. The plain
-torch pieces (norm, RoPE, the blocked attention with sinks) are dstrain/families/deepseek_v4/blocks.py's, shared with the drafter:
-- no [T × T] score tensor. Queries go in blocks of QUERY_BLOCK; a block scores only the keys of its window
-  (at most block + window - 1 of them) and its compressed entries: all causal ones (HCA: T/m' entries) or the
-  indexer's top-k gathered per query (CSA). The indexer scores queries against the T/m compressed keys in the
-  same blocks. Memory per block is O(heads × block × (block + window + k)), independent of T.
-- the indexer's top-k breaks ties deterministically: equal scores keep the lower entry index (a stable
-  descending sort). ReLU scores tie at exactly 0 whenever no indexer head fires, so this matters.
-Tensor parallel: q_b, the sinks and the grouped output projection split by heads (whole head groups per
-rank), o_b is row-parallel. The q down-projection, the single K=V head, both compressors and the indexer are
-replicated: each produces one latent every head reads (and the indexer's top-k must pick the same entries on
-every rank, so its head-sum is not split).
+Semantics follow transformers' DeepseekV4Attention (modeling_deepseek_v4.py); the arithmetic does not: no [T × T]
+score tensor (queries go in blocks of QUERY_BLOCK, each scoring only its window and its compressed entries, so memory
+per block is independent of T), and the indexer's top-k breaks ties deterministically (equal scores keep the lower
+entry index: ReLU scores tie at exactly 0 whenever no indexer head fires). The plain torch pieces are blocks.py's,
+shared with the drafter. Tensor parallel: q_b, the sinks and the grouped output projection split by whole head
+groups, o_b is row-parallel; the rest is replicated. Why: dstrain/families/deepseek_v4/README.md.
 """
 
 from __future__ import annotations

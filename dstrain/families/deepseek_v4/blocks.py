@@ -1,16 +1,12 @@
-"""DeepSeek-V4's arithmetic in plain torch, the one copy: the megatron V4 target (families/deepseek_v4/attention.py,
-families/deepseek_v4/model.py) and the V4-native draft layer (families/deepseek_v4/draft_layer.py) both use these.
+"""DeepSeek-V4's arithmetic in plain torch, the one copy: the megatron V4 target (attention.py, model.py) and the
+V4-native draft layer (draft_layer.py) both use these.
 
-- RMSNorm with an fp32 weight and fp32 arithmetic (V4 keeps its norms in fp32).
-- Interleaved RoPE on the trailing rope slice of a head (`rotate`), and its inverse (`unrotate`): K = V carries
-  RoPE into the values, so V4 undoes it on the attention output at the query position.
-- Attention with per-head sinks: a sink is one extra logit per head in the softmax denominator, with no value.
-  `sparse_attention` is the target's blocked sliding-window (+ compressed entries) form; the draft layer scores its
-  own key set against an explicit mask through the same `softmax_with_sinks`.
-- The grouped low-rank output projection (wo_a: head group g to its own o_lora block).
-- The router: scores = sqrt(softplus(logits)) (or sigmoid), experts = top-k of scores + bias (or a hash table's
-  picks), weights = the chosen scores renormalised × routed scale (the bias only selects, never weights).
-- The clamped SwiGLU of V4's experts: silu(min(gate, limit)) · clamp(up, ±limit).
+RMSNorm in fp32; interleaved RoPE on a head's trailing rope slice and its inverse (K = V carries RoPE into the
+values, so V4 undoes it on the output); attention with per-head sinks (one extra logit per head in the softmax
+denominator, with no value), blocked for the target (`sparse_attention`) or masked for the draft layer (the same
+`softmax_with_sinks`); the grouped low-rank output projection; the router (sqrt-softplus or sigmoid scores, a bias
+that selects but never weights, or a hash table's picks); the clamped SwiGLU of V4's experts. Each in detail:
+dstrain/families/deepseek_v4/README.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """One DSpark draft layer for DeepSeek-V4 in V4's own layout (the `mtp.{i}` layers vLLM's DSparkDeepseekV4ForCausalLM
 and SGLang's DeepseekV4ForCausalLMDSpark load): V4's decoder layer with sliding-window attention only (compress
-ratio 0: no compressor, no indexer), plain torch, built from blocks.py and layers/mhc.py (mHC, norm, RoPE, sinks, router, SwiGLU).
+ratio 0: no compressor, no indexer), plain torch, built from blocks.py and layers/mhc.py.
 
-Attention of a draft step. The block (anchor + noise tokens, positions anchor .. anchor+γ-1) supplies the queries and
-its own keys; the context keys are injected: the engines write kv_norm(wkv(main_x)), RoPE'd at the context
-positions, into each draft layer's own window of `window` positions strictly before the anchor (main_x: the fused
-target features — not this layer's streams, so no mHC, no attn_norm on that path). Keys = [context ∪ block]; a
-boolean mask [B, Q, C + Q] says which each query may see (`draft_mask`: the window before the anchor, and the whole
-block — bidirectional); the sinks sit in the softmax denominator; the output sheds the query's RoPE (K = V carried
-the keys' into the values), then the grouped low-rank output wo_a / wo_b.
-
-This first piece scores densely over [queries] × [context keys ∪ block keys]; the packed training path (many blocks
-of a packed sequence sharing context rows, as layers/attention.py packs them) comes next and must equal this.
-
-Names. state_dict() gives V4's release names (DeepSeek's inference code, and what the engines read after `mtp.{i}.`):
-attn.{wq_a, q_norm, wq_b, wkv, kv_norm, attn_sink, wo_a, wo_b}, attn_norm, ffn_norm, ffn.gate.{weight, bias},
-ffn.experts.{e}.w{1,2,3}, ffn.shared_experts.w{1,2,3}, hc_{attn,ffn}_{fn,base,scale}. mHC is layers/mhc.py's
-HyperConnection (fn / base / scale); HC_NAMES maps its names to the release's on save and back on load. The routed
-experts are stored stacked for the grouped GEMM (V4RoutedExperts: ffn.experts.w{1,2,3} [E, ...]); its hooks split
-them into the per-expert names on save and stack them on load.
+The block supplies the queries and its own keys; the context keys are injected (kv_norm(wkv(main_x)), RoPE'd at the
+context positions, main_x being the fused target features), and `draft_mask` lets each query see the window before
+its anchor and its whole block. Scoring is dense over [queries] × [context keys ∪ block keys]. state_dict() gives
+V4's release names (HC_NAMES maps mHC's; the stacked routed experts split into per-expert names on save and stack
+on load). The attention path, the names and why the experts are stacked: dstrain/families/deepseek_v4/README.md.
 """
 
 from __future__ import annotations
@@ -145,16 +133,13 @@ class V4Gate(nn.Module):
 class V4RoutedExperts(nn.Module):
     """The E routed experts (each V4Expert's w2(clamped SwiGLU(w1 x, w3 x))), their weights stacked for the grouped
     GEMM: w1, w3 [E, inter, d] and w2 [E, d, inter], expert e's nn.Linear weight at [e]. state_dict() keeps the
-    release names `{e}.w{1,2,3}.weight` (hooks split on save, stack on load): the engines' and state-dict
-    checkpoints' names do not change (an optimizer state saved with 3·E expert parameters does not fit these 3).
+    release names `{e}.w{1,2,3}.weight` (hooks split on save, stack on load), so the engines' and state-dict
+    checkpoints' names are per expert (an optimizer state saved with 3·E expert parameters does not fit these 3).
 
-    Why stored stacked, not torch.stack of per-expert Linears at each forward: a forward-time stack copies every
-    routed weight each step and keeps the copy for the backward (torch._grouped_mm saves it for the input's
-    gradient); at a V4-Flash-shaped draft layer (256 experts x 3 x 4096 x 2048) that is 12.9 GB bf16 per layer on top
-    of weights, grads and optimizer state; and under ZeRO-3 Linears whose forward never runs are not gathered
-    (each would have to be registered as an external parameter). The cost is paid at state_dict() instead: each
-    expert's slice is cloned (safetensors refuses tensors sharing storage). Initialised as the Linears were: the same
-    uniform draws in the same order, so a seed builds the same weights as before."""
+    Stacked, not torch.stack-ed from per-expert Linears at each forward: that copy would be kept for the backward
+    (12.9 GB bf16 per V4-Flash-shaped layer), and ZeRO-3 would not gather Linears whose forward never runs
+    (dstrain/families/deepseek_v4/README.md). state_dict() clones each expert's slice instead (safetensors refuses
+    tensors sharing storage). Initialised with the same uniform draws, in the same order, as per-expert Linears."""
 
     def __init__(self, experts: int, d: int, inter: int, limit: float):
         super().__init__()
@@ -201,7 +186,7 @@ def stack_experts_on_load(module: V4RoutedExperts, state_dict, prefix, local_met
 
 
 class V4DraftMoE(nn.Module):
-    """V4's MoE. For the trainer (as models/layers.MoE): `last_load` (share of routed slots per expert, the
+    """V4's MoE. For the trainer (as layers/transformer.MoE): `last_load` (share of routed slots per expert, the
     DraftOutput's expert_load), `take_load` (a step's counts) and `update_route_bias` (aux-loss-free balance on
     gate.bias); V4 has no balancing loss."""
 

@@ -1,33 +1,12 @@
 """DSpark for DeepSeek-V4 in V4's own layout: the drafter vLLM's DSparkDeepseekV4ForCausalLM and SGLang's
-DeepseekV4ForCausalLMDSpark serve (issue 24), behind the same contract as models/block_drafter.BlockDrafter.
+DeepseekV4ForCausalLMDSpark serve, behind the same contract as drafters/block.BlockDrafter.
 
-Context. The target's captured layers (dspark_target_layer_ids) are fused once:
-    main_x = main_norm(main_proj([f_1; ..; f_m]))
-For a V4 target the feature f_j of a layer is the MEAN over its hc_mult mHC streams (what the engines read): both
-target backends read captured layers that way (targets/hf.py `_readout`, families/deepseek_v4/model.py `readout`), and the
-caller hands ctx_features [rows, m, d]. registry.build_drafter builds this drafter for drafter.type=dspark on a V4
-target (drafter.backbone=auto or v4).
-Every draft layer writes its own context keys from main_x (V4DraftLayer.context_kv: kv_norm(wkv(main_x)), RoPE'd at
-the context positions).
-
-Block. Slot 0 is the anchor token's target embedding, slots 1..γ−1 the target's embedding of the noise token
-(drafter.mask_token_id, V4's dspark_noise_token_id), each copied onto the hc_mult streams. The draft layers run on the
-streams; each query sees the context rows of its block's key_index (the window strictly before the anchor: packing
-has applied the window, −1 is an empty slot) and its whole block (bidirectional). Then hc_head collapses the streams
-and norm gives the hidden state; logits = the target's lm_head(hidden), applied outside by the loss or the sampler.
-
-Heads. Markov: logits bias = markov_w1[x_{k−1}] · markov_w2ᵀ with both [V, r] as the engines store them (our
-MarkovHead keeps W₂ as [r, V]: `seq_w2` hands the loss the transposed view, so the loss is unchanged). Confidence:
-proj([pre-norm hc_head output; markov_w1[x_{k−1}]]), no bias; logits (σ in the loss / sampler).
-
-Attention here is a dense per-block gather of the context keys ([N, K, head_dim] from the [rows, head_dim] keys via
-key_index): exact, and memory grows with N × K. The grouped/packed fast path (layers/attention.py's KeyGroups) is
-later work and must equal this.
-
-Names. state_dict() is the engines' `mtp.{i}.*` layout (tests/fixtures/engine_schema/deepseek_v4_dspark.json):
-every index holds a draft layer's V4 release names; mtp.0 also holds main_proj / main_norm; the last index norm,
-hc_head_{fn,base,scale}, markov_head.markov_w{1,2} and confidence_head.proj (either engine reads the heads under
-any index; vLLM's comment puts them on the last). An export is then a plain state_dict save (plus quantisation).
+The captured layers (each the mean of its mHC streams, as the engines read them) are fused once into main_x, from
+which every draft layer writes its own context keys. A block is the anchor's embedding, then the noise token's, on
+the hc_mult streams; hc_head and norm give the hidden state, and the target's lm_head is applied outside.
+state_dict() is the engines' `mtp.{i}.*` layout (tests/fixtures/engine_schema/deepseek_v4_dspark.json), so an export
+is a plain state_dict save (plus quantisation). registry.build_drafter builds it for drafter.type=dspark on a V4
+target. Context, block, heads, attention and names in detail: dstrain/families/deepseek_v4/README.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
-"""`--format deepseek-v4`: a V4 DSpark drafter (models/v4_drafter.V4BlockDrafter) in DeepSeek-V4's own checkpoint
-layout, and the same layout read back (drafter.init_from, dstrain evaluate).
+"""`--format deepseek-v4`: a V4 DSpark drafter (drafter.V4BlockDrafter) in DeepSeek-V4's own checkpoint layout, and the
+same layout read back (drafter.init_from, dstrain evaluate).
 
-Who loads it (names, shapes and config keys transcribed from their loaders into tests/fixtures/engine_schema/
-deepseek_v4_dspark.json; no engine was run here): vLLM DSparkDeepseekV4ForCausalLM (vllm-project/vllm
-vllm/models/deepseek_v4/nvidia/dspark.py @ 03435722) and SGLang DeepseekV4ForCausalLMDSpark (sgl-project/sglang
-python/sglang/srt/models/deepseek_v4_dspark.py @ 00e5caa8). The reference for a served drafter is the released one's
-greedy acceptance: 4.42 tokens per round on the V4-Flash preview at γ=5.
-
-Weights. V4BlockDrafter.state_dict() already is the engines' `mtp.{i}.*` layout; what is added is the host's storage:
-the folder is quantised as the target checkpoint it is served beside (`host_scheme` reads that checkpoint's config
-and which of its layer weights carry a scale companion):
-- FP8 hosts: the linears the host stores in FP8 (wq_a, wq_b, wkv, wo_a, wo_b, shared experts; main_proj too, a
-  quantised ReplicatedLinear in both engines) become float8_e4m3fn in the host's weight_block_size blocks with a
-  power-of-two (ue8m0) `.scale` beside each, as V4-Flash ships them; routed experts FP4 (two e2m1 per int8, one ue8m0
-  scale per 32 columns) where the host's experts are FP4, else as the host's linears.
-- Norms, the router, the Markov and confidence heads stay in the host's plain dtype (bf16 for the release, which
-  stores confidence_head.proj in BF16; both engines hold that parameter in fp32 and cast on load); mHC tensors,
-  attn_sink and gate.bias stay float32 (the release's and the engines' dtype for them).
-- The shared expert is one MLP of moe_intermediate_size * n_shared_experts, as both engines build it.
-Quantisation reuses targets/targets/quant.fp8_blocks / fp4_blocks; reading back uses targets/checkpoint.py's
-CheckpointReader, the dequantiser the targets are read with.
-
-Config. config.json is the host's, plus the keys the engines read for the drafter: dspark_target_layer_ids (0-based
-decoder layers, dstrain's capture_layers unshifted: V4-Flash-0731 ships [40, 41, 42] for its 43 layers),
-dspark_markov_rank, dspark_noise_token_id, dspark_block_size, n_mtp_layers (= len(dspark_target_layer_ids): SGLang
-builds one stage per target layer id), enable_confidence_head, hc_mult,
-hc_eps, expert_dtype, compress_ratios (the target layers', then 0 per draft layer: sliding-window only), and a
-`dstrain` section binding it to the target it was trained on (fingerprint, recipe sections). num_nextn_predict_layers
-stays the host's (1 in the release): vLLM takes n_predict from it and refuses a num_speculative_tokens above it that
-is not a multiple of it (export/engines.py, rule vllm-n-predict), so n = 3 there would refuse γ = 5.
+Loaded by vLLM DSparkDeepseekV4ForCausalLM and SGLang DeepseekV4ForCausalLMDSpark (WRITTEN_FOR names the files
+and commits; their names, shapes and config keys are transcribed into tests/fixtures/engine_schema/
+deepseek_v4_dspark.json). The weights are V4BlockDrafter.state_dict(), quantised as the target checkpoint they are
+served beside (`host_scheme`: FP8 linears, FP4 routed experts where the host's are, the rest plain or fp32);
+config.json is the host's plus the drafter's keys and a `dstrain` section binding it to its target. Which tensor
+gets which dtype, and why each config key has its value: dstrain/families/deepseek_v4/README.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """DeepSeek-V4's layer and model on megatron-core: mHC residual streams around every sublayer, V4's router
 (sqrt-softplus scores with a selection bias, or a frozen token-id → expert hash table) on megatron's MoELayer
-with its all-to-all dispatcher, SequentialMLP experts and SharedExpertMLP (clamped SwiGLU through
-`activation_func_clamp_value`), and the final hc head + norm.
+(all-to-all dispatcher, SequentialMLP experts, SharedExpertMLP with `activation_func_clamp_value`), the final hc head.
 
-The model is ours, not GPTModel: V4's residual is n streams [T, B, n, d] from the embedding to the hc head,
-and hash routing needs the token ids inside every layer, on every pipeline stage. It keeps the surface
-MegatronTarget uses (decoder.layers for capture hooks, decoder.final_layernorm, set_input_tensor, pre/post
-process) and adds `readout` (a captured layer's feature: the mean of its streams, what vLLM and SGLang read),
-`stage_width` (the n·d a stage sends its successor: all streams cross the boundary) and `needs_input_ids`.
+The model is ours, not GPTModel: V4's residual is n streams [T, B, n, d] from the embedding to the hc head, and hash
+routing needs the token ids inside every layer, on every pipeline stage. It keeps the surface MegatronTarget uses
+(decoder.layers for capture hooks, decoder.final_layernorm, set_input_tensor, pre/post process) and adds `readout`
+(a captured layer's feature: the mean of its streams, what vLLM and SGLang read), `stage_width` (the n·d a stage
+sends its successor) and `needs_input_ids`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """DeepSeek-V4 on megatron-core: layout checks, megatron's config, the layer specs, the model, each rank's shard plan.
 
-The modules are v4_attention.py (attention, compressors, indexer) and v4_model.py (mHC, router, layer, model);
-what they reuse from megatron-core 0.16.1: ColumnParallelLinear / RowParallelLinear (q_b and the grouped wo_a
-by heads, wo_b by rows), its replicated Linear, VocabParallelEmbedding, MoELayer with the all-to-all token
-dispatcher, SequentialMLP experts and SharedExpertMLP with `activation_func_clamp_value` (V4's clamped SwiGLU),
-and TopKRouter (subclassed for V4's scoring, bias and hash routing).
-
-Parallelism. Tensor: q_b, the sinks and wo_a split by whole head groups (tp must divide o_groups), wo_b by
-rows, the shared expert by its hidden width, the embedding by vocabulary rows. Replicated on every tensor rank:
-wq_a (its latent also feeds the indexer), the single K=V head (wkv + norm: every head reads it), both
-compressors (one latent each), the indexer (its top-k is a sum over its heads: split, every rank would need an
-all-reduce of a [T × T/m] score matrix per layer, and near-equal scores could round to different picks), the
-mHC mixers, hc head, norms and routers (tiny). Expert: routed experts split whole over expert ranks. Pipeline:
-layers split evenly or by world.target.pipeline_layers (V4Model builds any table); a stage sends all n mHC
-streams ([T, B, n·d]) and every stage holds the hc head. MoE at tp > 1 runs sequence parallel (see v4_model.py).
+The modules are attention.py (attention, compressors, indexer) and model.py (mHC, router, layer, model), on
+megatron-core 0.16.1's parallel linears, embedding, MoELayer (all-to-all dispatcher, SequentialMLP, SharedExpertMLP
+with V4's clamped SwiGLU) and a TopKRouter subclass. Tensor parallelism splits q_b, the sinks and wo_a by whole head
+groups (tp must divide o_groups) and wo_b by rows; the latents every head reads, the indexer, the mHC mixers, norms
+and routers are replicated; routed experts split whole over expert ranks; pipeline stages send all n mHC streams.
+MoE at tp > 1 runs sequence parallel (see model.py). What is split or replicated, and why:
+dstrain/families/deepseek_v4/README.md.
 """
 
 from __future__ import annotations

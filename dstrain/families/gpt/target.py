@@ -1,18 +1,12 @@
 """The GPT-family FamilyAdapter (shard_plan.py): megatron's config for a checkpoint and each rank's shard plan.
 
-One mapping serves every family megatron can build from its local layer spec: Llama, Mistral,
-Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and the MoE families Mixtral and Qwen3-MoE (router +
-SequentialMLP experts). The plan names the checkpoint keys as published (what `save_pretrained` writes),
-and each rank reads only row ranges it owns, except for the two row-parallel matrices:
-- megatron fuses q/k/v into one `linear_qkv` whose rows go group by group ([q heads of group g; k_g; v_g]),
-  and tensor parallelism splits it by whole KV groups: a rank reads, per own group, its q, k and v rows;
-- gated MLPs fuse [gate; up] into `linear_fc1`, split per tensor rank: a rank reads its gate and up rows;
-- o_proj / dense down_proj are split by columns (the reader streams their rows and keeps its columns);
-- experts are whole per rank (expert_tensor_parallel_size=1): expert-parallel rank e reads experts
-  [e·E/ep, (e+1)·E/ep) — Mixtral's `w1` (gate), `w3` (up), `w2` (down), Qwen3-MoE's gate/up/down_proj;
-- the embedding is split by vocabulary rows on the first stage, the final norm lives on the last, and
-  the LM head is never read: the drafter side applies it.
-This module is the adapter itself (its functions are the protocol's methods); adapters.py registers it.
+One mapping serves every family megatron can build from its local layer spec: Llama, Mistral, Qwen2 (q/k/v bias),
+Qwen3 (q/k RMSNorm), and the MoE families Mixtral and Qwen3-MoE. The plan names the checkpoint keys as published
+(what `save_pretrained` writes), and each rank reads only the row ranges it owns (fused q/k/v by whole KV groups,
+fused [gate; up] per tensor rank, whole experts per expert rank, the embedding by vocabulary rows), except for
+the row-parallel o_proj and down_proj, whose rows are streamed and their columns kept. The LM head is never read.
+Each fused layout: dstrain/families/README.md. This module is the adapter itself (its functions are the protocol's
+methods); adapters.py registers it.
 """
 
 from __future__ import annotations
