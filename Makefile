@@ -48,13 +48,13 @@ test: install slurm
 	$(PY) -m pytest -q -p no:xdist -m distributed --durations=15 tests; multi=$$?; \
 	echo "make test: single-process tests exit $$single, multi-process tests exit $$multi"; [ $$single = 0 ] && [ $$multi = 0 ]
 
-# Slurm for tests/test_slurm.py: Debian's slurm-wlm (22.05), run as a one-node cluster by the test itself.
+# Slurm for tests/integration/test_slurm.py: Debian's slurm-wlm (22.05), run as a one-node cluster by the test itself.
 slurm:
 	@command -v slurmctld >/dev/null || { command -v apt-get >/dev/null && \
 	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null || \
 	   (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null)); } || \
-	  { case "$$CI" in ""|0|false|no) ;; *) echo "slurm-wlm could not be installed (apt-get failed or is missing); CI runs tests/test_slurm.py and needs it" >&2; exit 1;; esac; \
-	    echo "slurm-wlm not installed (no apt-get): tests/test_slurm.py will skip (and fail where CI is set)"; }
+	  { case "$$CI" in ""|0|false|no) ;; *) echo "slurm-wlm could not be installed (apt-get failed or is missing); CI runs tests/integration/test_slurm.py and needs it" >&2; exit 1;; esac; \
+	    echo "slurm-wlm not installed (no apt-get): tests/integration/test_slurm.py will skip (and fail where CI is set)"; }
 
 test-fast: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not distributed" tests

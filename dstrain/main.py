@@ -15,7 +15,7 @@ _HERE = Path(__file__).resolve().parent
 if sys.path and Path(sys.path[0] or ".").resolve() == _HERE:
     sys.path[0] = str(_HERE.parent)
 
-# The launch functions, re-exported for importers of this module (tests/dist/run_recipes.py).
+# The launch functions, re-exported for importers of this module (tests/integration/workers/run_recipes.py).
 from dstrain.train.launch import cached_layers, channel_source, make_loader, preflight, train  # noqa: E402,F401
 
 

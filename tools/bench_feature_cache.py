@@ -115,7 +115,7 @@ def main() -> int:
               f"{total[rnd]['target_feature_s']:.1f}s vs {total['off']['target_feature_s']:.1f}s "
               f"({total['off']['target_feature_s'] - total[rnd]['target_feature_s']:.1f}s saved)")
     # to 1e-6, not bit for bit: with several threads, CPU reductions differ in the last bits from run to run
-    # (two identical warm runs of the default recipe differed by 5e-9 relative); tests/test_feature_store.py checks
+    # (two identical warm runs of the default recipe differed by 5e-9 relative); tests/unit/train/test_feature_store.py checks
     # bit-equal losses single-threaded
     losses = {f: [r["loss"] for r in rows if r["family"] == f] for f in families}
     same = all(max(v) - min(v) <= 1e-6 * abs(max(v)) for v in losses.values())

@@ -60,7 +60,7 @@ def _families() -> dict:
     from dstrain.testing.tiny_checkpoints import FAMILIES
 
     qwen = {k: v for k, v in FAMILIES["qwen3_moe"].items()}
-    # V3 as tests/dist/v3_parity.py builds it: group-limited routing over 8 experts, a dense first layer, and
+    # V3 as tests/integration/workers/v3_parity.py builds it: group-limited routing over 8 experts, a dense first layer, and
     # v_head_dim unlike hidden/heads (megatron's MLA core attention must honour it)
     v3 = {**FAMILIES["deepseek_v3"], "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
           "first_k_dense_replace": 1, "v_head_dim": 12}
@@ -94,7 +94,7 @@ def parity(args) -> int:
         folder = tempfile.mkdtemp(prefix=f"mc-{fam}-")
         hf.save_pretrained(folder)
         ids = torch.randint(0, hf.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
-        with v4_attention.lower_index_ties():  # a stable top-k tie order, as dstrain's V4 keeps (tests/dist/v4_parity.py)
+        with v4_attention.lower_index_ties():  # a stable top-k tie order, as dstrain's V4 keeps (tests/integration/workers/v4_parity.py)
             ref = HFTarget(hf.to(device=device, dtype=dtype), fam, capture_layers=CAPTURE)(ids.to(device))
         torch.manual_seed(0)
         with CheckpointReader(folder, dtype) as reader:

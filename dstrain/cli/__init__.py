@@ -2,8 +2,8 @@
 
 Each leaf command is a module here with `parser(prog)` (its arguments) and `run(args) -> int` (its body). The
 dispatcher imports only the module of the command being run, and those import torch and transformers inside
-run(), so `dstrain --help` and `dstrain COMMAND --help` answer without loading them. The scripts under tools/
-and dstrain/main.py call the same modules through tool_main().
+run(), so `dstrain --help` and `dstrain COMMAND --help` answer without loading them. dstrain/main.py (the torchrun
+entry) calls the train module through tool_main().
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def tool_main(name: str) -> None:
-    """A tools/ script or dstrain/main.py: the command module `name` with the script's own name in its usage."""
+    """dstrain/main.py: the command module `name` with the script's own name in its usage."""
     module = importlib.import_module(f"dstrain.cli.{name}")
 
     def run() -> int:

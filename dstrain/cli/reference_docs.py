@@ -4,7 +4,7 @@ and docs/export.md's engine table, generated from the rules in dstrain/export/en
 `recipe_reference()` returns markdown: one table per recipe section, nested sections (`world.target`,
 `target.upcycle`, `drafter.ffn`, `drafter.mhc`) after their parent. Descriptions are the fields'
 `Field(description=...)`, section blurbs the section classes' docstrings, so the reference cannot drift from
-the code: docs/recipes.md holds this output between two marker comments and tests/test_docs.py checks it.
+the code: docs/recipes.md holds this output between two marker comments and tests/unit/cli/test_docs.py checks it.
 
   python -m dstrain.cli.reference_docs                          # print the reference
   python -m dstrain.cli.reference_docs --write docs/recipes.md  # refresh the generated part of that file in place

@@ -9,7 +9,6 @@ embedding or LM head differ is a one-line error.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,12 +62,12 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
         if formats.is_speculators(cfg) or formats.is_deepspec(cfg) or formats.is_sglang_eagle3(cfg):
             return _speculators_artifact(folder, cfg, name, recipe_path, need_target)
         if cfg.get("format") != EXPORT_FORMAT:
-            raise UserError(f"{cfg_file}: not a dstrain drafter export (format {cfg.get('format')!r}); export one with tools/export.py")
+            raise UserError(f"{cfg_file}: not a dstrain drafter export (format {cfg.get('format')!r}); export one with dstrain export")
         from safetensors.torch import load_file
 
         weights = folder / "model.safetensors"
         if not weights.is_file():
-            raise UserError(f"{weights}: missing; re-export the drafter with tools/export.py")
+            raise UserError(f"{weights}: missing; re-export the drafter with dstrain export")
         return DrafterArtifact(name, folder, cfg["drafter"], cfg["target"], load_file(str(weights)), cfg["target_fingerprint"],
                                _read_sts(folder) or cfg.get("sts_temperatures"), cfg.get("trained_steps"), cfg.get("target_seed", 0))
     if folder.parent.name == "checkpoints" and (folder / "mp_rank_00_model_states.pt").is_file():

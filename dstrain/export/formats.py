@@ -3,7 +3,7 @@ DeepSpec layout SGLang's DSpark model reads, SGLang's own Eagle3 layout — and 
 
 What each file must mean exactly as in training (capture-layer ids: speculators id = ours + 1; block slots and
 `sample_from_anchor`; the mask token; the context window and in-block attention; the shared embedding and LM head)
-is set out, with the engine sources, in dstrain/export/README.md and tested in tests/test_serving_formats.py.
+is set out, with the engine sources, in dstrain/export/README.md and tested in tests/unit/export/test_serving_formats.py.
 Settings these layers cannot express (MoE drafter FFNs, mHC, a learned mask vector, attention without q/k norms)
 are refused by name. The comments above each writer give its layer-by-layer mapping.
 """

@@ -3,7 +3,7 @@
 Each block's queries attend to (a) its context keys — the block's key_index row, a contiguous range of the
 deduplicated context rows — and (b) all keys of its own block (bidirectional inside the block). Blocks never see
 each other. CPU training cannot use flex_attention (no CPU backward in torch 2.13), so this is SDPA. Four layouts,
-equal up to summation order (tests/test_packing.py checks each against a dense mask): per block, grouped
+equal up to summation order (tests/unit/packing/test_packing.py checks each against a dense mask): per block, grouped
 (KeyGroups, shapes follow the draw), static (BlockGroups, the trainer's: one SDPA call per layer, fixed shapes) and
 flex (FlexBlocks, the trainer's on CUDA without a window). Their measured costs: dstrain/layers/README.md.
 """

@@ -4,7 +4,7 @@ megatron V4 target (families/deepseek_v4/model.py) and by the drafters' backbone
 The residual is n parallel streams [.., n, d]. Around every sublayer a dynamic mapping from the normed streams
 collapses them into the sublayer input (pre), expands its output back onto them (post) and mixes the residual
 streams through a Sinkhorn-projected, doubly stochastic matrix (comb); HyperHead is the final pre-only collapse.
-Semantics follow transformers' DeepseekV4HyperConnection / DeepseekV4HyperHead (tests/test_hyper.py checks
+Semantics follow transformers' DeepseekV4HyperConnection / DeepseekV4HyperHead (tests/unit/layers/test_hyper.py checks
 equality); parameters and mixing weights are fp32 whatever the model dtype. The maths, the Sinkhorn order and the
 initialisation: dstrain/layers/README.md.
 """

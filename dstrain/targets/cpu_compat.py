@@ -2,7 +2,7 @@
 
 Applied only when the run's device is the CPU (whatever the machine has: a CPU run on a GPU machine needs
 them too, a CUDA run never gets them), only for the pinned version, each patch named (`PATCHES`) and tested
-on its own (tests/test_channel.py). The target is frozen and inference-only, so nothing here touches
+on its own (tests/unit/runtime/test_channel.py). The target is frozen and inference-only, so nothing here touches
 megatron's optimizer, DDP or backward paths. The missing-TransformerEngine router fix lives in
 mcore_patches (it is reached on CUDA too).
 """

@@ -2,7 +2,7 @@
 
 Unlike cpu_compat (patches a CPU-only run needs), these fix megatron itself, so they apply whether or not
 CUDA is present; each is pinned to the exact version it was written against and tested on its own
-(tests/test_deepseek_v3.py). Drop a patch when the pinned megatron-core carries the fix.
+(tests/unit/families/test_deepseek_v3.py). Drop a patch when the pinned megatron-core carries the fix.
 """
 
 from __future__ import annotations

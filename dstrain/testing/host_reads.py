@@ -1,5 +1,5 @@
 """The meta-device CUDA check: training-path code run on `meta` with its CUDA branches taken, every host read recorded
-with the dstrain file:line that made it. Used by tests/test_host_reads.py and `python tools/host_reads.py`.
+with the dstrain file:line that made it. Used by tests/unit/train/test_host_reads.py and `python tools/host_reads.py`.
 
 On `meta` nothing is computed, so a host read cannot hide. Counted: scalar reads (.item(), `if t:`), data-dependent
 shapes (nonzero, unique, masked_select, boolean-mask indexing, repeat_interleave without output_size, bincount),

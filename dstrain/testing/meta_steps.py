@@ -166,7 +166,7 @@ def channel_rows() -> HostReads:
 class _Engine:
     """DeepSpeed's engine as Trainer.train_step uses it, on meta: forward, backward and a step that clears the
     gradients. DeepSpeed's own optimizer step is the library's (its host reads are its own; the CPU step counter,
-    tests/test_step_counters.py, runs the real engine and holds the whole step to zero syncs)."""
+    tests/unit/train/test_step_counters.py, runs the real engine and holds the whole step to zero syncs)."""
 
     def __init__(self, module):
         self.module = module

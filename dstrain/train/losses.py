@@ -10,7 +10,6 @@ dstrain/train/README.md.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch

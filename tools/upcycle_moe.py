@@ -1,7 +1,0 @@
-#!/usr/bin/env python
-"""`dstrain upcycle` (dstrain/cli/upcycle.py), kept under this name so existing commands and scripts keep working."""
-
-from dstrain.cli import tool_main
-
-if __name__ == "__main__":
-    tool_main("upcycle")
