@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.recipe}: a random target makes no corpus")
     provenance = None
     if args.prompt_count is not None:
-        provenance = {"command": "-m", "dstrain", "data", "prompts", "count": args.prompt_count, "seed": args.prompt_seed}
+        provenance = {"command": "dstrain data prompts", "count": args.prompt_count, "seed": args.prompt_seed}
     elif (folder / "manifest.json").is_file():
         provenance = corpus.manifest(folder).get("make_prompts")
     man = corpus.pack(folder, target, provenance)
