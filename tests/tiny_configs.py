@@ -36,3 +36,19 @@ def per_rank(mine, world: int):
     out = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(out, mine)
     return torch.stack(out)
+
+
+def layout_report(ranks, names: list[str], cases) -> dict:
+    """The parity report of a worker: per layout and case, each taking-part rank's max |Δ|, scale and values compared,
+    and their maxima. `ranks`: per_rank of a [layouts, cases, 4] tensor (max |Δ|, scale, values compared, 1 where the
+    rank took part)."""
+    report = {}
+    for i, n in enumerate(names):
+        report[n] = {case: {"ranks": {str(r): {"max_abs_diff": ranks[r, i, j, 0].item(), "scale": ranks[r, i, j, 1].item(),
+                                               "compared": int(ranks[r, i, j, 2].item())}
+                                      for r in range(len(ranks)) if ranks[r, i, j, 3] > 0}}
+                     for j, case in enumerate(cases)}
+        for case in report[n].values():
+            case["max_abs_diff"] = max(v["max_abs_diff"] for v in case["ranks"].values())
+            case["scale"] = max(v["scale"] for v in case["ranks"].values())
+    return report

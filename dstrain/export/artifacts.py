@@ -55,10 +55,11 @@ def read_artifact(path: str | Path, name: str | None = None, recipe_path: str | 
     if cfg_file.is_file():
         cfg = json.loads(cfg_file.read_text())
         from dstrain.export import formats
-        from dstrain.families.deepseek_v4 import export_format as v4_format
+        from dstrain.families.registry import format_of
 
-        if v4_format.is_v4_folder(cfg):
-            return _v4_artifact(folder, cfg, name, recipe_path, need_target)
+        fam = format_of(config=cfg)
+        if fam is not None:
+            return _family_artifact(fam, folder, cfg, name, recipe_path, need_target)
         if formats.is_speculators(cfg) or formats.is_deepspec(cfg) or formats.is_sglang_eagle3(cfg):
             return _speculators_artifact(folder, cfg, name, recipe_path, need_target)
         if cfg.get("format") != EXPORT_FORMAT:
@@ -137,13 +138,12 @@ def _recipe_target(recipe_path: str) -> tuple[dict, int]:
     return recipe["target"], recipe.get("run", {}).get("seed", 0)
 
 
-def _v4_artifact(folder: Path, cfg: dict, name: str, recipe_path: str | None, need_target: bool) -> DrafterArtifact:
-    """A DeepSeek-V4-layout folder (families/deepseek_v4/export_format.py): our --format deepseek-v4 export, or a checkpoint shipping
-    a DSpark drafter in its mtp.* section. The target: the recipe's (--recipe), ours when we wrote it, else the
-    checkpoint folder itself when it holds the target's layers."""
-    from dstrain.families.deepseek_v4 import export_format as v4_format
-
-    drafter_cfg, capture, state, ours = v4_format.read(folder, cfg)
+def _family_artifact(fam, folder: Path, cfg: dict, name: str, recipe_path: str | None, need_target: bool
+                     ) -> DrafterArtifact:
+    """A folder in a family's own layout (e.g. families/deepseek_v4/export_format.py): our export in that format, or a
+    released checkpoint shipping its drafter beside the target's layers. The target: the recipe's (--recipe), ours
+    when we wrote it, else the checkpoint folder itself when it holds the target's layers."""
+    drafter_cfg, capture, state, ours = fam.read(folder, cfg)
     if recipe_path is not None:
         target_cfg, seed = _recipe_target(recipe_path)
     elif "target" in ours:
@@ -152,12 +152,12 @@ def _v4_artifact(folder: Path, cfg: dict, name: str, recipe_path: str | None, ne
         if trained is not None and list(trained) != capture:
             raise UserError(f"{folder}: dspark_target_layer_ids {capture} in config.json, but the drafter was trained on "
                             f"capture layers {list(trained)}: a damaged export, re-export it")
-    elif v4_format.holds_target(folder, cfg):
+    elif fam.holds_target(folder, cfg):
         target_cfg, seed = {"name": folder.name, "source": "path", "path": str(folder)}, 0
     elif not need_target:
         target_cfg, seed = {}, 0
     else:
-        raise UserError(f"{folder}: a V4 DSpark drafter without its target: pass --recipe RECIPE naming its target")
+        raise UserError(f"{folder}: {fam.DRAFTER} without its target: pass --recipe RECIPE naming its target")
     return DrafterArtifact(name, folder, drafter_cfg, {**target_cfg, "capture_layers": capture}, state,
                            ours.get("target_fingerprint"), _read_sts(folder) or ours.get("sts_temperatures"),
                            ours.get("trained_steps"), seed)
@@ -174,12 +174,13 @@ def init_weights(drafter, cfg, frozen) -> tuple[DrafterArtifact, list[str]]:
     Two differences are bridged, so an older drafter can move to the exportable settings: q/k norms this recipe adds
     start at weight 1 (RMSNorm's neutral scale: q and k become unit-RMS per head, which changes the attention
     temperature, so fine-tune), and a learned mask vector gives way to the target's embedding of mask_token_id."""
-    from dstrain.families.deepseek_v4 import export_format as v4_format
+    from dstrain.families.registry import format_of
 
     art = read_artifact(cfg.init_from, need_target=False)
     src = f"drafter.init_from={cfg.init_from}"
-    if v4_format.is_v4_state(art.state) or hasattr(drafter, "mtp"):  # the V4 layout: its own checks (noise, rank, ..)
-        v4_format.init(drafter, cfg, art, frozen, src)
+    fam = format_of(state=art.state) or format_of(drafter=drafter)
+    if fam is not None:  # a family's own layout: its own checks (V4: noise token, Markov rank, draft layers)
+        fam.init(drafter, cfg, art, frozen, src)
         return art, []
     if art.fingerprint is not None and art.fingerprint != fingerprint(frozen):
         raise UserError(f"{src}: trained against a target with fingerprint {art.fingerprint}, this run's target has "
@@ -290,33 +291,34 @@ def build(artifact: DrafterArtifact, target):
     return drafter.eval()
 
 
-FORMATS = ("dstrain", "speculators", "deepspec", "sglang-eagle3", "deepseek-v4")
+FORMATS = ("dstrain", "speculators", "deepspec", "sglang-eagle3")  # and each family's own (families/registry.py)
 
 
 def check_export(artifact: DrafterArtifact, fmt: str, engine: str | None = None) -> str:
     """Refuse before any weights load what `fmt` cannot express or `engine` cannot load (export/engines.py);
     returns the line naming the engine release to serve it with."""
     from dstrain.export import engines
-    from dstrain.families.deepseek_v4 import export_format as v4_format
+    from dstrain.families.registry import family_formats, format_of
 
-    if fmt not in FORMATS:
-        raise UserError(f"--format {fmt}: not a format (choose from {', '.join(FORMATS)})")
-    v4 = v4_format.is_v4_state(artifact.state)
-    if fmt == v4_format.FORMAT:
-        if not v4:
-            raise UserError(f"--format {fmt}: this {artifact.drafter_cfg.get('type')} drafter is not a V4 DSpark drafter "
-                            "(mtp.* layout, trained on a DeepSeek-V4 target): export it with --format speculators, "
-                            "deepspec or dstrain")
-        if engine not in (None, *v4_format.ENGINES):
-            raise UserError(f"--engine {engine} does not read --format {fmt} (vLLM and SGLang do): drop --engine or "
-                            "name vllm or sglang")
+    families = family_formats()
+    if fmt not in FORMATS and fmt not in families:
+        raise UserError(f"--format {fmt}: not a format (choose from {', '.join((*FORMATS, *families))})")
+    theirs = format_of(state=artifact.state)
+    fam = families.get(fmt)
+    if fam is not None:
+        if theirs is not fam:
+            raise UserError(f"--format {fmt}: this {artifact.drafter_cfg.get('type')} drafter is not {fam.DRAFTER} "
+                            f"({fam.LAYOUT}, {fam.TRAINED_ON}): export it with --format speculators, deepspec or dstrain")
+        if engine not in (None, *fam.ENGINES):
+            raise UserError(f"--engine {engine} does not read --format {fmt} ({fam.ENGINE_NAMES} do): drop --engine or "
+                            f"name {' or '.join(fam.ENGINES)}")
         capture = artifact.target_cfg.get("capture_layers")
         if capture:
-            v4_format.check_layers(int(artifact.drafter_cfg.get("num_layers", len(capture))), capture)
-        return v4_format.WRITTEN_FOR
-    if v4 and fmt != "dstrain":
-        raise UserError(f"--format {fmt}: a V4 DSpark drafter (mtp.* layout) has no place in that layout: export it with "
-                        f"--format {v4_format.FORMAT}")
+            fam.check_layers(int(artifact.drafter_cfg.get("num_layers", len(capture))), capture)
+        return fam.WRITTEN_FOR
+    if theirs is not None and fmt != "dstrain":
+        raise UserError(f"--format {fmt}: {theirs.DRAFTER} ({theirs.LAYOUT}) has no place in that layout: export it with "
+                        f"--format {theirs.FORMAT}")
     return engines.check(drafter_config(artifact), fmt, engine)
 
 
@@ -329,10 +331,13 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain", e
 
     from dstrain.drafters.contract import spec_from_config
 
+    from dstrain.families.registry import family_formats
+
     check_export(artifact, fmt, engine)
     drafter = build(artifact, target)
-    if fmt == "deepseek-v4":
-        return _export_v4(artifact, target, drafter, out)
+    fam = family_formats().get(fmt)
+    if fam is not None:
+        return _export_family(fam, artifact, target, drafter, out)
     spec = spec_from_config(_config(target), len(target.capture_layers))
     binding = {"target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)}, "target_name": target.name,
                "target_fingerprint": fingerprint(target), "target_seed": artifact.target_seed, "trained_steps": artifact.steps}
@@ -377,9 +382,9 @@ def export(artifact: DrafterArtifact, target, out: Path, fmt: str = "dstrain", e
     return out
 
 
-def _export_v4(artifact: DrafterArtifact, target, drafter, out: Path) -> Path:
-    """--format deepseek-v4 (families/deepseek_v4/export_format.py), quantised like the target checkpoint it is served beside."""
-    from dstrain.families.deepseek_v4 import export_format as v4_format
+def _export_family(fam, artifact: DrafterArtifact, target, drafter, out: Path) -> Path:
+    """A family's own format (e.g. --format deepseek-v4), written to sit beside the target checkpoint it is served
+    with (quantised like it)."""
     from dstrain.config.schema import TargetConfig
     from dstrain.targets import checkpoint_folder
 
@@ -387,7 +392,7 @@ def _export_v4(artifact: DrafterArtifact, target, drafter, out: Path) -> Path:
     binding = {"target": {**artifact.target_cfg, "capture_layers": list(target.capture_layers)}, "target_name": target.name,
                "target_fingerprint": fingerprint(target), "target_seed": artifact.target_seed,
                "trained_steps": artifact.steps, "drafter": artifact.drafter_cfg, "exported_from": str(artifact.source)}
-    path, _ = v4_format.export(drafter, host, out, list(target.capture_layers), binding, artifact.temperatures)
+    path, _ = fam.export(drafter, host, out, list(target.capture_layers), binding, artifact.temperatures)
     return path
 
 

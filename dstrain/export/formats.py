@@ -89,9 +89,12 @@ def _layer_config(cfg, spec, num_layers: int, model_type: str = "qwen3") -> dict
 
 def to_speculators(drafter, cfg, spec, capture_layers: list[int], verifier: dict, target_depth: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, safetensors dict) of a BlockDrafter in speculators' DFlash/DSpark layout."""
-    if hasattr(drafter, "mtp"):  # V4BlockDrafter: also reached through deepspec and sglang-eagle3
-        raise UserError("a V4 DSpark drafter (mtp.* layout) has no place in the speculators, DeepSpec or SGLang Eagle3 "
-                        "layouts: export it with --format deepseek-v4")
+    from dstrain.families.registry import format_of
+
+    fam = format_of(drafter=drafter)  # a family's own layout: also reached through deepspec and sglang-eagle3
+    if fam is not None:
+        raise UserError(f"{fam.DRAFTER} ({fam.LAYOUT}) has no place in the speculators, DeepSpec or SGLang Eagle3 "
+                        f"layouts: export it with --format {fam.FORMAT}")
     check_exportable(cfg)
     if cfg.type == "eagle3":
         return _eagle3_to_speculators(drafter, cfg, spec, capture_layers, verifier)

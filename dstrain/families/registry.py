@@ -34,6 +34,25 @@ def resolve_backbone(cfg, target_config=None) -> str:
     return backbone
 
 
+def family_formats() -> dict:
+    """Engine formats a family ships in its own checkpoint layout, by --format name: one line per family. Each module
+    has FORMAT, ENGINES, ENGINE_NAMES, DRAFTER, LAYOUT, TRAINED_ON, WRITTEN_FOR and is_state, is_folder, owns, read,
+    holds_target, init, check_layers, export."""
+    from dstrain.families.deepseek_v4 import export_format as deepseek_v4
+
+    return {deepseek_v4.FORMAT: deepseek_v4}
+
+
+def format_of(state: dict | None = None, config: dict | None = None, drafter=None):
+    """The family format whose layout these weights, this folder's config.json or this built drafter are in (None:
+    the generic layouts)."""
+    for fam in family_formats().values():
+        if (state is not None and fam.is_state(state)) or (config is not None and fam.is_folder(config)) or \
+                (drafter is not None and fam.owns(drafter)):
+            return fam
+    return None
+
+
 def build_drafter(cfg, spec: TargetSpec, embedding: nn.Embedding, target_config=None) -> nn.Module:
     """`target_config`: the target's model config (the V4 backbone takes its shape from it)."""
     builder = DRAFTERS.get(cfg.type)

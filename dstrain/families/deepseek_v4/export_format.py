@@ -23,6 +23,10 @@ from dstrain.errors import UserError
 
 FORMAT = "deepseek-v4"
 ENGINES = ("vllm", "sglang")
+ENGINE_NAMES = "vLLM and SGLang"
+DRAFTER = "a V4 DSpark drafter"  # what export/artifacts.py calls a drafter of this layout in its messages
+LAYOUT = "mtp.* layout"
+TRAINED_ON = "trained on a DeepSeek-V4 target"
 WRITTEN_FOR = ("written for vLLM DSparkDeepseekV4ForCausalLM (vllm/models/deepseek_v4/nvidia/dspark.py @ 03435722) and "
                "SGLang DeepseekV4ForCausalLMDSpark (python/sglang/srt/models/deepseek_v4_dspark.py @ 00e5caa8), as "
                "transcribed from their loaders (no engine was run here); reference: the released drafter's greedy acceptance, "
@@ -48,6 +52,14 @@ def is_v4_state(state: dict) -> bool:
 
 def is_v4_folder(config: dict) -> bool:
     return config.get("model_type") == "deepseek_v4"
+
+
+def owns(drafter) -> bool:
+    """A built drafter of this layout (V4BlockDrafter: its draft layers are mtp.{i})."""
+    return hasattr(drafter, "mtp")
+
+
+is_state, is_folder = is_v4_state, is_v4_folder  # the names the family-format registry asks every format for
 
 
 def _rel(key: str) -> str:
@@ -316,7 +328,7 @@ def init(drafter, cfg, art, frozen, src: str) -> None:
     token, Markov rank, draft layers, capture layers), then every weight by name and shape."""
     from dstrain.targets.fingerprint import head_fingerprint as fingerprint
 
-    if not hasattr(drafter, "mtp"):
+    if not owns(drafter):
         raise UserError(f"{src}: a V4 DSpark drafter (mtp.* layout), but this recipe builds a {type(drafter).__name__}: "
                         "start it on the DeepSeek-V4 target it was trained for")
     if not is_v4_state(art.state):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-from tiny_configs import TINY, per_rank, stage_diff  # noqa: E402
+from tiny_configs import TINY, layout_report, per_rank, stage_diff  # noqa: E402
 
 from dstrain.targets import cpu_compat, mcore_patches  # noqa: E402
 from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
@@ -141,14 +141,7 @@ def main() -> None:
                 result[names.index(n), j] = torch.tensor([*run(lay, groups, models[case], os.path.join(tmp, case)), 1.0])
         dist.barrier()
     ranks = per_rank(result, dist.get_world_size())
-    for i, n in enumerate(names):
-        report[n] = {case: {"ranks": {str(r): {"max_abs_diff": ranks[r, i, j, 0].item(), "scale": ranks[r, i, j, 1].item(),
-                                               "compared": int(ranks[r, i, j, 2].item())}
-                                      for r in range(len(ranks)) if ranks[r, i, j, 3] > 0}}
-                     for j, case in enumerate(CASES)}
-        for case in report[n].values():
-            case["max_abs_diff"] = max(v["max_abs_diff"] for v in case["ranks"].values())
-            case["scale"] = max(v["scale"] for v in case["ranks"].values())
+    report.update(layout_report(ranks, names, CASES))
     if rank == 0:
         report["sensitivity"] = sensitivity(models["grouped_bias_dense0"])
         print("PARITY " + json.dumps(report), flush=True)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-from tiny_configs import TINY, per_rank, stage_diff  # noqa: E402
+from tiny_configs import TINY, layout_report, per_rank, stage_diff  # noqa: E402
 
 from dstrain.families.deepseek_v4 import blocks as v4_blocks  # noqa: E402
 from dstrain.targets import cpu_compat
@@ -157,14 +157,7 @@ def main() -> None:
                 result[names.index(n), j] = torch.tensor([*run(groups, models[case], os.path.join(tmp, case), dp), 1.0])
         dist.barrier()
     ranks = per_rank(result, dist.get_world_size())
-    for i, n in enumerate(names):
-        report[n] = {case: {"ranks": {str(r): {"max_abs_diff": ranks[r, i, j, 0].item(), "scale": ranks[r, i, j, 1].item(),
-                                               "compared": int(ranks[r, i, j, 2].item())}
-                                      for r in range(len(ranks)) if ranks[r, i, j, 3] > 0}}
-                     for j, case in enumerate(CASES)}
-        for case in report[n].values():
-            case["max_abs_diff"] = max(v["max_abs_diff"] for v in case["ranks"].values())
-            case["scale"] = max(v["scale"] for v in case["ranks"].values())
+    report.update(layout_report(ranks, names, CASES))
     if dist.get_rank() == 0:
         report["sensitivity"] = {case: sensitivity(models[case]) for case in CASES if not case.endswith("_fp8")}
         print("PARITY " + json.dumps(report), flush=True)
