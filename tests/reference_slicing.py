@@ -1,6 +1,6 @@
 """The independent reference for the shard-plan loader: slice a FULL transformers state dict per megatron rank.
 
-This is the old product path (load the whole model, then cut each rank's share out of it), kept only to
+This is the full-load path (load the whole model, then cut each rank's share out of it), here only to
 check the streaming loader (dstrain/targets/sharded_load.py) against: it works on transformers'
 in-memory names (fused `experts.gate_up_proj` [E, 2F, d], `experts.down_proj` [E, d, F]), not on the
 published checkpoint keys the loader reads, so the two share no mapping code.

@@ -8,8 +8,8 @@ prompts, conditional acceptance per position, learning curves (held-out τ at ch
   dstrain table --device cuda       # training and evaluation on one GPU
   dstrain table --preset paper --run dspark-markov:0 --record-to benchmarks/paper-runs
                                     # one run of the paper's configuration at convergence (DSpark / DFlash 5 layers,
-                                    # Eagle3 1, block 7, held-out τ every epoch until it stops rising): under 100 min
-                                    # of one core, resumable; its record is what the table is made of
+                                    # Eagle3 1, block 7, held-out τ every epoch until it stops rising): hours of one
+                                    # core (--dry-run estimates it), resumable; its record is what the table is made of
   dstrain table --preset paper --records benchmarks/paper-runs --out benchmarks/paper-table
                                     # the table from committed records (three families × seeds 0, 1, 2)
 

@@ -1,4 +1,4 @@
-"""Faults survived (issue 15): stuck ranks named within a bound from the run's own step times, verified
+"""Faults survived: stuck ranks named within a bound from the run's own step times, verified
 checkpoints, automatic restart. Multi-process checks launch torchrun as a subprocess with a hard timeout
 and OMP_NUM_THREADS=1 (2 cores)."""
 
@@ -81,7 +81,7 @@ def test_sigstopped_rank_is_named_well_before_the_collective_timeout(shards, tmp
     assert elapsed < COLLECTIVE_TIMEOUT_S / 10, elapsed
     assert verdicts and all(named in v for v in verdicts), err[-4000:]
     # against the bound the stopped rank published (max(5 s floor, 10 x its slowest recent step)), not a fixed 15 s:
-    # one slow step on a loaded 2-core machine raises the bound and used to fail a correct product. The watcher's
+    # one slow step on a loaded 2-core machine raises the bound; a fixed one would fail a correct product. The watcher's
     # own silence measure is checked tightly (it looks once a second), the wall clock to the job's end loosely (SIGKILL
     # and torchrun's teardown on a loaded machine). Mutation caught: the watcher waiting 3 x the bound (its verdict then
     # says "no heartbeat for 15 s" against a 5 s bound).

@@ -1,4 +1,4 @@
-"""Evaluating and exporting a drafter trained with a megatron-backend recipe (issue 22, item 6).
+"""Evaluating and exporting a drafter trained with a megatron-backend recipe.
 
 A tiny disaggregated run (1 drafter rank + 1 megatron target rank, 3 steps) is trained once. Export reads the
 target's embedding and LM head and nothing else (CheckpointReader's byte count, and no model is built);

@@ -18,7 +18,7 @@ def dstrain(cwd, *args, timeout=300):
 
 def test_shipped_inputs_are_found_outside_the_repository(tmp_path):
     """`dstrain table --dry-run` and `dstrain demo`'s input checks resolve the shipped recipe and corpus by name from
-    a folder that is not the checkout; the old relative spelling `corpus/smollm2_moe` still names the shipped one."""
+    a folder that is not the checkout; the relative spelling `corpus/smollm2_moe` names the shipped one too."""
     from dstrain.data import corpus
 
     assert not (tmp_path / "corpus").exists() and tmp_path != ROOT
@@ -36,7 +36,7 @@ def test_shipped_inputs_are_found_outside_the_repository(tmp_path):
 
 def test_a_demo_mistake_leaves_nothing_behind(tmp_path):
     """A wrong corpus or recipe is one line naming it and the shipped choices, before any folder is made (the demo
-    used to leave empty data/smollm2/ and runs/ behind and suggest `dstrain data pack corpus/smollm2_moe`)."""
+    leaves no empty data/smollm2/ or runs/ behind and suggests no `dstrain data pack corpus/smollm2_moe`)."""
     for args, names in ((["--corpus", "nowhere"], "--corpus nowhere"), (["--recipe", "nowhere"], "--recipe nowhere")):
         proc = dstrain(tmp_path, "demo", *args)
         lines = proc.stderr.strip().splitlines()

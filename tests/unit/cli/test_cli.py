@@ -40,12 +40,6 @@ HELP_NAMES = {
     "docs recipes": ["usage: dstrain docs recipes"],
 }
 
-# tools/ scripts that now wrap a command: same arguments (their --help names them too)
-TOOLS = {"make_prompts": "data prompts", "regenerate": "data regenerate", "make_shards": "data shards",
-         "pack_corpus": "data pack", "upcycle_moe": "upcycle", "export": "export", "evaluate": "eval",
-         "calibrate": "calibrate", "reproduce_table": "table", "simulate_serving": "simulate", "demo": "demo"}
-
-
 def call(*argv: str) -> tuple[int, str, str]:
     """dstrain ARGV in this process: (exit code, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
@@ -125,8 +119,8 @@ def test_table_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
 
 
 def test_table_refuses_a_second_process_on_one_out(tmp_path):
-    """Two `dstrain table` processes on one OUT once wiped a training run mid-write (the second found no checkpoint
-    yet and started the stage clean): the second is refused in one line naming the holder; the lock goes with it."""
+    """Two `dstrain table` processes on one OUT could wipe a training run mid-write (the second finds no checkpoint
+    yet and starts the stage clean): the second is refused in one line naming the holder; the lock goes with it."""
     from dstrain.reproduce.out_lock import hold_out_folder
 
     held = hold_out_folder(tmp_path / "t", ["--out", "t"])
@@ -212,15 +206,18 @@ def test_installed_console_script():
     assert proc.returncode == 0 and "usage: dstrain" in proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("tool", sorted(TOOLS))
-def test_tool_wrappers_keep_their_arguments(tool):
-    text = run_tool(f"tools/{tool}.py", "--help", timeout=120).stdout
-    assert text.startswith(f"usage: {tool}.py")
-    missing = [n for n in HELP_NAMES[TOOLS[tool]] if not n.startswith("usage:") and n not in text]
-    assert not missing, f"tools/{tool}.py --help lacks {missing}"
+def test_main_py_is_dstrain_train_and_tools_wrap_no_command():
+    """dstrain/main.py (the documented torchrun entry) takes `dstrain train`'s arguments; tools/ holds developer
+    benches only, no second spelling of a command."""
+    text = run_tool("dstrain/main.py", "--help", timeout=120).stdout
+    assert text.startswith("usage: main.py")
+    missing = [n for n in HELP_NAMES["train"] if not n.startswith("usage:") and n not in text]
+    assert not missing, f"dstrain/main.py --help lacks {missing}"
+    wrappers = [p.name for p in (ROOT / "tools").glob("*.py") if "tool_main" in p.read_text()]
+    assert wrappers == [], f"tools/ wraps dstrain commands: {wrappers}"
 
 
-# -- errors that blame the right thing (issue 40, item 6) -----------------------------------------------------------
+# -- errors that blame the right thing ---------------------------------------------------------------------------------
 def one_error_line(err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
@@ -307,8 +304,8 @@ def test_bare_command_lists_the_commands(words):
 
 
 def test_resume_with_another_architecture_names_the_changed_keys(tmp_path):
-    """A resume with drafter.num_layers changed failed in DeepSpeed's state_dict load ("different recipe or damaged"):
-    it names the key, both values and the fix; a resume changing only steps, lr or logging goes on."""
+    """A resume with drafter.num_layers changed is not left to fail in DeepSpeed's state_dict load ("different recipe or
+    damaged"): it names the key, both values and the fix; a resume changing only steps, lr or logging goes on."""
     from dstrain.data.shards import synthetic_shards
 
     shards = tmp_path / "shards"

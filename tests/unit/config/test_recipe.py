@@ -125,7 +125,8 @@ def test_main_help():
 
 
 def test_empty_recipe_names_every_missing_key(tmp_path):
-    """An empty recipe once named only 'target' ('[+1 more]' hid 'data'): every missing key is in the one line."""
+    """An empty recipe's error names more than 'target' (no '[+1 more]' hiding 'data'): every missing key is in the
+    one line."""
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     with pytest.raises(UserError) as err:

@@ -51,7 +51,7 @@ def test_shipped_corpus_belongs_to_the_default_target(tmp_path, default_target):
 def test_held_out_split_is_held_out():
     """No held-out prompt has an exact (normalised first turn) or near duplicate (8-gram overlap >= 0.5) among the
     training prompts; the manifest holds the split the rule gives today; every domain has 30 held-out prompts for a
-    learning curve. Mutation caught: the old `sha256(id) % 20` split (6 exact and 30 near copies of 70)."""
+    learning curve. Mutation caught: a `sha256(id) % 20` split (6 exact and 30 near copies of 70)."""
     from dstrain.data import split
 
     man = corpus.manifest(corpus.DEFAULT)

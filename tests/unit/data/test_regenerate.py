@@ -125,8 +125,8 @@ def test_cli_errors_are_one_line(tmp_path):
     proc = run_tool("-m", "dstrain", "data", "shards", "--inputs", tmp_path / "none.jsonl", "--out", tmp_path / "s", "--tokenizer", tmp_path,
                     "--target-name", "t", check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
-    for tool in ("make_prompts", "regenerate", "make_shards", "upcycle_moe"):
-        assert "usage" in run_tool(f"tools/{tool}.py", "--help").stdout
+    for command in (["data", "prompts"], ["data", "regenerate"], ["data", "shards"], ["upcycle"]):
+        assert "usage: dstrain " + " ".join(command) in run_tool("-m", "dstrain", *command, "--help").stdout
 
 
 @pytest.mark.slow

@@ -71,8 +71,8 @@ def test_a_run_logs_prefixed_metrics_everywhere_and_says_when_wandb_falls_back(t
 
 
 def test_no_interval_from_fewer_than_two_prompts_per_domain():
-    """One prompt has nothing to resample: the bootstrap used to return a zero-width interval (read as certainty);
-    now nan, in every interval that depends on such a domain, while the points stay."""
+    """One prompt has nothing to resample: the bootstrap returns no zero-width interval (read as certainty)
+    but nan, in every interval that depends on such a domain, while the points stay."""
     import math
 
     import torch

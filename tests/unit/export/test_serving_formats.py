@@ -127,7 +127,8 @@ def dspark_forward(model, feats, ids, last_hidden, k, monkeypatch):
     """speculators' own DSparkDraftModel.forward, its glue driven by its config flags (sample_from_anchor,
     markov_rank, enable_confidence_head, confidence_head_with_markov): the Markov-corrected logits and the confidence
     logits it hands to its loss, and the Markov bias its head returned. Nothing of the glue is re-implemented here
-    (the old hand-written copy always fed the confidence head [h; W1[x_prev]], whatever the export's flags said)."""
+    (a hand-written copy can drift: one that always fed the confidence head [h; W1[x_prev]], whatever the export's
+    flags said)."""
     from speculators.models.dspark import core as dspark_core
 
     seen = {}

@@ -42,7 +42,7 @@ PATCH_CHECK = textwrap.dedent('''
     parallel_state._set_global_memory_buffer()
     pgs = target_process_groups(Layout(1, 1, 1, 1, 0, True))
 
-    def cfg(**kw):  # v_head_dim 12 != hidden/heads 8: the width the local attention used to assume
+    def cfg(**kw):  # v_head_dim 12 != hidden/heads 8: catches a local attention assuming hidden/heads
         kw = {"q_lora_rank": 16, **kw}
         return MLATransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
             kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=12, rope_type="rope",

@@ -1,4 +1,4 @@
-"""The engine schema of a DeepSeek-V4 DSpark drafter (issue 24, item 5): tests/fixtures/engine_schema/
+"""The engine schema of a DeepSeek-V4 DSpark drafter: tests/fixtures/engine_schema/
 deepseek_v4_dspark.json lists the weight names, shapes and config keys that vLLM's DSparkDeepseekV4ForCausalLM and
 SGLang's DeepseekV4ForCausalLMDSpark read under `mtp.{i}.`, transcribed from their code.
 

@@ -1,6 +1,6 @@
-"""The V4-native DSpark drafter wired into the product (issue 24): drafter.backbone picks it on a DeepSeek-V4 target,
+"""The V4-native DSpark drafter wired into the product: drafter.backbone picks it on a DeepSeek-V4 target,
 mistakes are one line naming the key, the shipped V4 recipes train it, the plan builds it on the meta device and
-counts its routed experts as routed, and the feature cache never serves features read out the old way."""
+counts its routed experts as routed, and the feature cache never serves features read out another way."""
 
 import hashlib
 import json
@@ -114,8 +114,8 @@ def test_plan_describes_the_v4_backbone(capsys):
 
 
 def test_feature_cache_never_serves_the_old_readout():
-    """Entries written while an mHC layer was read out through hc_head live under the old namespace; the new one
-    differs for every input. Mutation caught: namespace_of without the readout version."""
+    """Entries written with an mHC layer read out through hc_head live under another namespace; the current one
+    differs from it for every input. Mutation caught: namespace_of without the readout version."""
     from dstrain.train.feature_store import FORMAT_VERSION, namespace_of
 
     for args in [("f", [1, 2], torch.float32, "cpu"), ("g", [0], torch.bfloat16, "cuda")]:

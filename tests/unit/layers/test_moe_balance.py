@@ -1,4 +1,4 @@
-"""The drafter MoE's load balance: the default holds where the old one collapsed, the routing bias only chooses
+"""The drafter MoE's load balance: the default holds where an aux-loss-only one collapses, the routing bias only chooses
 experts, and expert load reaches the metrics and the run summary."""
 
 import json

@@ -1,4 +1,4 @@
-"""The drafter MoE's sorted, grouped-GEMM dispatch (issue 23, item 2): it computes what the old loop over experts did
+"""The drafter MoE's sorted, grouped-GEMM dispatch: it computes what a loop over experts does
 (outputs, aux loss, load, gradients), without host syncs, in a number of device ops that does not grow with E."""
 
 import pytest
@@ -10,7 +10,7 @@ from dstrain.train.step_counters import StepCounter
 
 
 def loop_forward(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The replaced implementation (a Python loop over experts, nonzero per expert, bincount), kept as the reference."""
+    """The reference: a Python loop over experts (nonzero per expert, bincount)."""
     flat = x.reshape(-1, x.shape[-1])
     logits = moe.router(flat).float()
     probs = logits.softmax(-1)
@@ -138,8 +138,8 @@ def v4_release_experts(moe) -> dict[str, torch.Tensor]:
 
 
 def v4_loop_forward(moe, x: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The replaced V4DraftMoE.forward (a loop over the experts hit, torch.where per expert), on per-expert weights
-    `w` ({e}.w{1,2,3}.weight under `experts.`), kept as the reference: (output, load by bincount)."""
+    """V4DraftMoE.forward as a loop over the experts hit (torch.where per expert), on per-expert weights
+    `w` ({e}.w{1,2,3}.weight under `experts.`), as the reference: (output, load by bincount)."""
     from dstrain.families.deepseek_v4.blocks import clamped_swiglu, route
 
     flat = x.reshape(-1, x.shape[-1])
@@ -212,7 +212,7 @@ def _v4_counts(experts: int) -> dict:
 
 
 def test_v4_moe_forward_backward_has_no_syncs_and_ops_independent_of_experts():
-    """The loop it replaced synced 1 + E_hit times per forward (unique, .tolist(), torch.where per expert hit) and ran
+    """A loop over experts syncs 1 + E_hit times per forward (unique, .tolist(), torch.where per expert hit) and runs
     ~30 kernels per expert hit; the grouped dispatch: none, and the same kernels for 4 experts as for 16."""
     small, large = _v4_counts(4), _v4_counts(16)
     for s in (small, large):

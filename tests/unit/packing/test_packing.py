@@ -104,7 +104,7 @@ def test_packed_attention_equals_dense_reference(window, lengths, grouped, per_s
     torch.testing.assert_close(packed32, ref.float(), atol=1e-5, rtol=0)
     # all five gradients (query, block keys/values, context keys/values through the gather) equal the dense
     # reference's in fp64, under a random upstream gradient. Mutation caught: a stray .detach() on any of the
-    # context or block keys/values in block_attention or _grouped (the old test checked only q.grad was finite).
+    # context or block keys/values in block_attention or _grouped (checking only that q.grad is finite misses it).
     upstream = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     got = torch.autograd.grad(packed, list(leaves.values()), upstream, allow_unused=True)
     want = torch.autograd.grad(ref, list(leaves.values()), upstream)
@@ -265,7 +265,7 @@ def test_flex_layout_equals_dense_reference(window, lengths, device):
 
 
 def test_flex_layout_follows_the_causal_triangle():
-    """Issue 23: without a window the BlockGroups layout computes every block against its whole sequence (2.0-2.3x the
+    """Without a window the BlockGroups layout computes every block against its whole sequence (2.0-2.3x the
     needed pairs); the flex layout's BlockMask skips the 128 x 128 tiles no block needs: 1.10x at 512 anchors and
     1.53x at 64 on 8192 tokens (1.23 / 1.72 at 2048; at 512 tokens 1.73 / 2.02, where each 128-query tile's diagonal
     tile of own-block keys is a third of its work). With a window a 128-query tile spans blocks whose windows barely

@@ -169,7 +169,7 @@ def test_reproduce_table_end_to_end_and_resume(tiny_world):
         assert sep["separated"] == pair["separated"]
     md = (out / "results.md").read_text()
     assert "Position 1 against DSpark" in md and "Every family against DSpark (Markov)" in md
-    assert "DSpark (Markov)" in md and "MTP-1" in md and "GSM8K τ [95% CI]" in md and "reproduce_table.py" in md
+    assert "DSpark (Markov)" in md and "MTP-1" in md and "GSM8K τ [95% CI]" in md and "dstrain table" in md
     for png in ("tau_ci.png", "acceptance.png", "learning_curves.png"):
         assert (out / png).stat().st_size > 5000
     # the same command again: every stage reused, the same numbers

@@ -1,7 +1,7 @@
 """The streaming sharded loader: each megatron rank reads only its slices of the safetensors shards.
 
 Reference: transformers' own `from_pretrained` of the same folder (FP8 dequantised by transformers on CPU),
-sliced per rank by tests/reference_slicing.py (the old full-load path). Every rank coordinate of a
+sliced per rank by tests/reference_slicing.py (the full-load path). Every rank coordinate of a
 TP=2 × EP=2 × PP=2 layout must get exactly the same tensors, and read exactly the bytes its plan says.
 """
 
@@ -259,7 +259,7 @@ def test_random_target_written_by_a_rank_other_than_zero(tmp_path, monkeypatch):
     hf_config = dict(FAMILIES["mixtral"], num_hidden_layers=2)
     folder = random_target_folder(hf_config, 5)
     assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors"))
-    for p in folder.iterdir():  # a folder left by the old bug (no config) is replaced, not renamed onto
+    for p in folder.iterdir():  # a folder left without a config is replaced, not renamed onto
         p.unlink() if p.name != "dstrain_random.json" else None
     assert (random_target_folder(hf_config, 5) / "config.json").is_file()
 
@@ -312,8 +312,8 @@ def test_make_tiny_checkpoint_tool(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_real_default_target_folder():
-    """The upcycled SmolLM2 folder (built here if no earlier test or tool built it; it used to skip unless another
-    test had run first): TP=3 × EP=2 × PP=2 (9 heads, 3 KV groups)."""
+    """The upcycled SmolLM2 folder (built here if no earlier test or tool built it; it does not skip when no other
+    test has run first): TP=3 × EP=2 × PP=2 (9 heads, 3 KV groups)."""
     from dstrain.config.schema import load_recipe
     from dstrain.targets import smollm2
 

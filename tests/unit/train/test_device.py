@@ -12,7 +12,7 @@ from dstrain.runtime.world import run_device, select_deepspeed_accelerator
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    """The CPU-only answers, on any machine (these tests used to skip where a GPU is visible: CI must run them all):
+    """The CPU-only answers, on any machine (these tests do not skip where a GPU is visible: CI must run them all):
     torch sees no CUDA device in this process, and CUDA_VISIBLE_DEVICES hides every GPU from its subprocesses."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
@@ -105,7 +105,7 @@ def test_losses_keep_upcast_gemms_off_cuda():
     from dstrain.train.vocab_gemm import gemm as _gemm, lowp_gemms as _lowp_gemms
 
     a, b = torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(8, 3, dtype=torch.bfloat16)
-    assert not _lowp_gemms(a, None, b)  # CPU bf16: operands upcast, as before
+    assert not _lowp_gemms(a, None, b)  # CPU bf16: operands upcast
     out = _gemm(a, b, lowp=False)
     assert out.dtype == torch.float32 and torch.equal(out, a.float() @ b.float())
     assert _gemm(a.double(), b.float(), lowp=False).dtype == torch.float64

@@ -76,8 +76,7 @@ def test_cuda_branches_are_taken_inside_and_restored_after():
 
 
 def test_the_old_rope_defect_is_caught(monkeypatch):
-    """Before issue 38, V4's Rope kept inv_freq on the host and every call copied it over: put it back and the check
-    names the line."""
+    """V4's Rope with inv_freq kept on the host (every call copies it over) is caught: the check names the line."""
     from dstrain.families.deepseek_v4 import blocks as v4
 
     monkeypatch.setattr(v4.Rope, "inv_freq", property(lambda self: torch.ones(self.inv_freq_bits.shape)))
@@ -109,6 +108,6 @@ def test_megatron_targets_run_on_meta_as_on_cuda(tmp_path):
         assert r["params_on"] == ["meta"] and r["output_on"] == "meta" and r["captured"][:3] == [2, 24, 3], r
         assert r["reads"] == [], (fam, r["reads"])
         assert r["megatron_reads"] and all(m["site"].startswith("megatron/core/transformer/moe/") for m in r["megatron_reads"])
-    # before issue 38 nothing seeded megatron's CUDA RNG tracker: every forward on CUDA raised
+    # with megatron's CUDA RNG tracker unseeded, every forward on CUDA raises
     unseeded = _meta_targets("--families", "qwen3_moe", "--unseeded")
     assert unseeded.returncode != 0 and "cuda rng state model-parallel-rng is not added" in unseeded.stderr

@@ -1,4 +1,4 @@
-"""dstrain/train/step_counters.py and tools/bench_train.py --count (issue 23, item 5): the counter counts known code
+"""dstrain/train/step_counters.py and tools/bench_train.py --count: the counter counts known code
 exactly, the bench's table is consistent, and a ratchet holds today's packed step to its op and sync counts."""
 
 import argparse
@@ -104,13 +104,13 @@ def _args(**kw):
     return argparse.Namespace(**{**base, **kw})
 
 
-# Issue 23: the packed step at tiny sizes (tools/bench_train.py --count --sizes tiny). These numbers must only go
-# down: a change that adds a host sync or device ops fails here; lower them when the step gets leaner. Before the key
-# groups (with their masks) and the loss chunks' shared rows were planned while packing: 838 / 53 and 1482 / 133;
-# before the static packing (one BlockGroups attention call per layer instead of one per key bucket): 805 and 1365.
+# The packed step at tiny sizes (tools/bench_train.py --count --sizes tiny). These numbers must only go
+# down: a change that adds a host sync or device ops fails here; lower them when the step gets leaner. Without the key
+# groups (with their masks) and the loss chunks' shared rows planned while packing: 838 / 53 and 1482 / 133;
+# without the static packing (one BlockGroups attention call per layer instead of one per key bucket): 805 and 1365.
 RATCHET = {  # (anchors, window, context): (device kernels, host syncs)
-    (16, 128, 512): (489, 0),  # KeyGroups had 6 buckets here
-    (64, None, 512): (491, 0),  # KeyGroups had 16 buckets here
+    (16, 128, 512): (489, 0),  # KeyGroups makes 6 buckets here
+    (64, None, 512): (491, 0),  # KeyGroups makes 16 buckets here
 }
 
 
@@ -119,14 +119,16 @@ def test_ratchet_packed_step_counts():
 
     for (anchors, window, context), (kernels, syncs) in RATCHET.items():
         row = count_point(_args(), "packed", context, window, anchors)
-        assert row["syncs"] <= syncs, f"{anchors}/{window}/{context}: {row['syncs']} host syncs > issue 23's {syncs}: {row['sync_sites'][:5]}"
+        assert row["syncs"] <= syncs, (f"{anchors}/{window}/{context}: {row['syncs']} host syncs "
+                                       f"> the budget of {syncs}: {row['sync_sites'][:5]}")
         assert row["host_ops"] == 0, row["host_ops_by_op"]  # no host work between launches either (packing did it)
-        assert row["kernels"] <= kernels * 1.02, f"{anchors}/{window}/{context}: {row['kernels']} device ops > issue 23's {kernels} (+2 %)"
+        assert row["kernels"] <= kernels * 1.02, (f"{anchors}/{window}/{context}: {row['kernels']} device ops "
+                                                  f"> the budget of {kernels} (+2 %)")
         assert row["kernels"] > 0 and row["computed_pairs"] >= row["needed_pairs"] > 0  # the counter saw the step
 
 
 def test_packed_step_is_flat_and_static():
-    """Issue 23's goals for the packed step, on a small grid at tiny sizes: the same device-op count within ±5 % across
+    """The goals for the packed step, on a small grid at tiny sizes: the same device-op count within ±5 % across
     anchor counts, context lengths and window/none (one attention call per layer, not one per key bucket), at most
     600 device ops for 2 layers, no host syncs, and the same (op, shape) signature for two anchor draws."""
     from bench_counts import count_point
@@ -141,7 +143,7 @@ def test_packed_step_is_flat_and_static():
 
 
 def test_fused_vocabulary_pass_traffic():
-    """Issue 23, item 3: train.compile=loss reads and writes at most 8 [rows x V] fp32-equivalents a step (the eager loss
+    """train.compile=loss reads and writes at most 8 [rows x V] fp32-equivalents a step (the eager loss
     about 30), with no sync, no host op and static shapes. 512 anchors on 2048 tokens (2557 rows): the Markov head's
     [r x V] weight gradient (r 256) is a small share, as at real sizes."""
     from bench_counts import count_point
@@ -200,12 +202,13 @@ def test_the_planned_step_computes_what_the_unplanned_step_does():
         torch.testing.assert_close(g, g0, atol=1e-5, rtol=1e-4)
 
 
-# Issue 23, item 2: the trainer's own step (Trainer.train_step: target forward, drafter, loss, backward, clipping,
-# optimizer step, metrics), with a dense FFN and with the recipe's MoE (sorted dispatch, grouped GEMMs: before, 27 syncs
-# and 1534 kernels, 10 of the syncs the loop over experts).
+# The trainer's own step (Trainer.train_step: target forward, drafter, loss, backward, clipping,
+# optimizer step, metrics), with a dense FFN and with the recipe's MoE (sorted dispatch, grouped GEMMs; a loop over
+# experts instead: 27 syncs and 1534 kernels, 10 of the syncs the loop's).
 # Metrics stay on the device until a line is logged (train(), outside the step); a padded batch reaches the HF target
-# with its 4-D mask prepared. Before: 17 syncs (2 of them transformers' mask checks), 1217 kernels.
-TRAINER_RATCHET = {"dense": (1112, 0), "moe": (1259, 0)}  # ffn type: (device kernels, host syncs); before the static packing 1126, 1247; MoE +26 for counting only real blocks in the expert load
+# with its 4-D mask prepared. Without these: 17 syncs (2 of them transformers' mask checks), 1217 kernels.
+# Without the static packing: 1126, 1247; MoE +26 for counting only real blocks in the expert load.
+TRAINER_RATCHET = {"dense": (1112, 0), "moe": (1259, 0)}  # ffn type: (device kernels, host syncs)
 
 
 def test_ratchet_trainer_step_counts():
@@ -214,8 +217,9 @@ def test_ratchet_trainer_step_counts():
     for ffn, (kernels, syncs) in TRAINER_RATCHET.items():
         r = count_trainer(str(ROOT / "recipes" / "tiny_moe.yaml"), [f"drafter.ffn.type={ffn}"])
         sites = [f"{s['count']} {s['kind']} {s['op']} at {s['site']}" for s in r["sync_sites"]]
-        assert r["syncs"] <= syncs, f"{ffn}: {r['syncs']} host syncs in Trainer.train_step > issue 23's {syncs}: {sites}"
-        assert 0 < r["kernels"] <= kernels * 1.02, f"{ffn}: {r['kernels']} device ops > issue 23's {kernels} (+2 %)"
+        assert r["syncs"] <= syncs, (f"{ffn}: {r['syncs']} host syncs in Trainer.train_step "
+                                     f"> the budget of {syncs}: {sites}")
+        assert 0 < r["kernels"] <= kernels * 1.02, f"{ffn}: {r['kernels']} device ops > the budget of {kernels} (+2 %)"
 
 
 def _train(tmp_path, name: str, shards, *overrides) -> dict:
