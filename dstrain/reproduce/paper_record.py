@@ -54,7 +54,7 @@ def machine() -> dict:
             "threads": torch.get_num_threads()}
 
 
-def _totals(ev: S.Evaluator, cand, records: list[dict], batch: int, max_new: int) -> dict:
+def decode_totals(ev: S.Evaluator, cand, records: list[dict], batch: int, max_new: int) -> dict:
     from dstrain.eval.bootstrap import prompt_totals
 
     by_domain = ev.prompts(records)
@@ -92,7 +92,7 @@ def evaluate_best(cfg: S.Config, ev: S.Evaluator, sizes, name: str, target: str,
             continue
         t0 = time.perf_counter()
         cand = cand or ev.candidate(run_dir, name, "best")
-        result = _totals(ev, cand, records(), batch, max_new)
+        result = decode_totals(ev, cand, records(), batch, max_new)
         seconds = time.perf_counter() - t0
         out[stage] = S.store(path, key, {**result, "seconds": seconds})
         clock.finish(f"{stage.replace('_', '-')} {name}", seconds)
