@@ -37,7 +37,7 @@ def _real_signature(name: str, fn):
 def _scoped(name, fn):
     sig = _real_signature(name, fn)
     if "group" not in sig.parameters:
-        raise RuntimeError(f"deepspeed TorchBackend.{name} has no `group` parameter: ds_glue needs updating for this version")
+        raise RuntimeError(f"deepspeed TorchBackend.{name} has no `group` parameter: deepspeed_setup needs updating for this version")
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):

@@ -74,7 +74,7 @@ def runs(shards, tmp_path_factory):
 def test_megatron_target_equals_hf_at_tp2_pp2_ep2(tmp_path):
     """Captured layers and final pre-LM-head states of six families (and Mixtral in block FP8), sharded
     TP=2 × PP=2 (EP=2 for MoE), each rank reading only its slices of the saved checkpoint. Qwen3 and Qwen3-MoE
-    have head_dim 16 ≠ hidden / heads (mutation caught: megatron_weights.head_dim returning hidden // heads)."""
+    have head_dim 16 ≠ hidden / heads (mutation caught: families/gpt/target.head_dim returning hidden // heads)."""
     report = parity_report("megatron_parity.py", tmp_path, timeout=300)
     from dstrain.targets.cpu_compat import PATCHES
 

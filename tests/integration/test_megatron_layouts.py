@@ -108,12 +108,12 @@ def test_moe_at_tp2_builds_sequence_parallel_and_uneven_stages(family):
 
 
 def test_dense_targets_stay_without_sequence_parallel():
-    from dstrain.families.gpt import target as megatron_weights
+    from dstrain.families.gpt import target as gpt_target
     from dstrain.targets.hf import random_model
     from tiny_configs import COMMON
 
     cfg = random_model(dict(model_type="llama", intermediate_size=48, **COMMON), seed=0).config
-    assert megatron_weights.transformer_config(cfg, 2, 1, 1, torch.float32).sequence_parallel is False
+    assert gpt_target.transformer_config(cfg, 2, 1, 1, torch.float32).sequence_parallel is False
 
 
 def test_patch_torch_norm_sequence_parallel(monkeypatch):

@@ -32,7 +32,7 @@ from dstrain.targets.random_checkpoint import random_target_folder
 
 # GPT families whose head_dim is not hidden / heads (Qwen3-30B-A3B: hidden 2048, 32 heads, head_dim 128); the tiny
 # families all have head_dim = hidden / heads = 8, so a loader that derived the width from hidden / heads passed.
-# Mutation caught: megatron_weights.head_dim returning hidden // heads (the reference reads the width off the weights).
+# Mutation caught: families/gpt/target.head_dim returning hidden // heads (the reference reads the width off the weights).
 CONFIGS = {**FAMILIES, "qwen3_moe_head_dim_16": {**FAMILIES["qwen3_moe"], "head_dim": 16},
            "qwen3_head_dim_16": dict(model_type="qwen3", intermediate_size=48, vocab_size=128, hidden_size=32,
                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
