@@ -71,9 +71,8 @@ def main(argv=None) -> int:
         totals = decode(ev, run_dir, args.run, tag, records, args.per_domain, args.new_tokens, store)["totals"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1))
-        full, sub = per_domain(totals), per_domain(totals, args.subset)
-        report["checkpoints"][tag] = {"full": macro_interval(full), "subset": macro_interval(sub),
-                                      "subset_minus_full": float(macro_interval(sub)["tau"] - macro_interval(full)["tau"])}
+        full, sub = macro_interval(per_domain(totals)), macro_interval(per_domain(totals, args.subset))
+        report["checkpoints"][tag] = {"full": full, "subset": sub, "subset_minus_full": float(sub["tau"] - full["tau"])}
     a, b = args.tags
     ta, tb = store[a]["totals"], store[b]["totals"]
     report["change"] = {"full": pooled_paired_difference([per_domain(ta)], [per_domain(tb)]),
