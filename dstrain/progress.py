@@ -17,9 +17,9 @@ def fmt_s(seconds: float) -> str:
 class PlainProgress:
     """tqdm's update / set_postfix_str / close, printed as a line per interval with rate and ETA."""
 
-    def __init__(self, total: float, desc: str, unit: str, interval: float = 30.0, file=None):
+    def __init__(self, total: float, desc: str, unit: str, interval: float = 30.0, file=None, initial: float = 0):
         self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
-        self.n, self.postfix, self.file = 0.0, "", file or sys.stderr
+        self.n, self.initial, self.postfix, self.file = float(initial), float(initial), "", file or sys.stderr
         self.start = self.last = time.monotonic()
 
     def update(self, n: float = 1) -> None:
@@ -32,7 +32,7 @@ class PlainProgress:
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.start, 1e-9)
-        rate = self.n / elapsed
+        rate = (self.n - self.initial) / elapsed  # a resumed stage: only what this process did counts toward the rate
         eta = (self.total - self.n) / rate if rate > 0 and self.total else float("nan")
         share = f" ({100 * self.n / self.total:.0f} %)" if self.total else ""
         left = f", ETA {fmt_s(eta)}" if eta == eta else ""
@@ -54,10 +54,10 @@ class PlainProgress:
         self.close()
 
 
-def progress(total: float, desc: str, unit: str, enabled: bool = True, interval: float = 30.0):
-    """A bar on a terminal, plain lines elsewhere, or nothing (`enabled` False)."""
+def progress(total: float, desc: str, unit: str, enabled: bool = True, interval: float = 30.0, initial: float = 0):
+    """A bar on a terminal, plain lines elsewhere, or nothing (`enabled` False); `initial`: work done before a resume."""
     if not enabled:
         return tqdm(total=total, disable=True)
     if sys.stderr.isatty():
-        return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True)
-    return PlainProgress(total, desc, unit, interval)
+        return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, initial=initial)
+    return PlainProgress(total, desc, unit, interval, initial=initial)

@@ -221,7 +221,7 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
     log = run_dir / "train.log"
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "OMP_NUM_THREADS": str(cfg.threads)}
     # a terminal gets a bar; a log file a plain line every 30 s (tqdm's carriage returns never reach a log)
-    with log.open("a") as fh, progress(steps, f"train {family}", "step") as bar:
+    with log.open("a") as fh, progress(steps, f"train {family}", "step", initial=_logged_step(run_dir)) as bar:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
             time.sleep(2.0)
