@@ -26,6 +26,7 @@ import torch
 from dstrain.errors import UserError
 from dstrain.progress import fmt_s, progress  # fmt_s: also S.fmt_s, the stages' times and ETAs
 from dstrain.reproduce.families import FAMILIES, family_overrides, match_budget
+from dstrain.runtime import preemption
 
 REPO = Path(__file__).resolve().parents[2]
 DOMAINS = ("math", "code", "chat")  # GSM8K, HumanEval, MT-Bench turn 1
@@ -221,8 +222,9 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
     log = run_dir / "train.log"
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "OMP_NUM_THREADS": str(cfg.threads)}
     # a terminal gets a bar; a log file a plain line every 30 s (tqdm's carriage returns never reach a log)
-    with log.open("a") as fh, progress(steps, f"train {family}", "step", initial=_logged_step(run_dir)) as bar:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    with log.open("a") as fh, progress(steps, f"train {family}", "step", initial=_logged_step(run_dir)) as bar, \
+            preemption.stops_forwarded(lambda: subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                                                preexec_fn=preemption.die_with_parent)) as proc:
         while proc.poll() is None:
             time.sleep(2.0)
             if _logged_step(run_dir) > bar.n:
@@ -237,6 +239,9 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
         raise UserError(f"training {family} failed (exit {proc.returncode}): {tail[0][:300] if tail else 'no output'}; "
                         f"full log {log}; rerun the same command to continue from its last checkpoint")
     summary = json.loads((run_dir / "summary.json").read_text())
+    if summary.get("preempted_at") is not None:  # the notice (USR1): saved and exited 0 before its last step
+        raise UserError(f"training {family} stopped by a {summary['stopped_by']} at step {summary['preempted_at']} of "
+                        f"{steps} (checkpoint saved); rerun the same command to resume")
     seconds = time.perf_counter() - t0
     out = store(marker, key, {"command": " ".join(["python", *cmd[1:]]), "seconds": seconds, "steps": summary["steps"],
                               "first": summary["first"], "last": summary["last"],

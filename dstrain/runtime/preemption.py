@@ -10,6 +10,7 @@ rendezvous store, so every drafter saves the same step. Why each choice: dstrain
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -140,3 +141,39 @@ def release_targets(step: int, is_main: bool, group=None, stop: int = NOTICE_COD
 def reset() -> None:
     """Forget any request (tests; a process that trains twice)."""
     _STATE.update(flag=0, armed=False, first=None)
+
+
+def die_with_parent() -> None:
+    """A trainer's preexec_fn (Linux): SIGTERM when its parent dies, so a trainer whose orchestrator was killed saves a
+    checkpoint and stops instead of training on with nobody to read its result."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def stops_forwarded(start):
+    """Start a trainer (`start()` returns its Popen) whose stops come through us: SIGINT, SIGTERM and the notice go
+    on to it and we keep waiting while it saves. Without this `kill -INT` on an orchestrator ended the orchestrator
+    alone and left its trainer running, with nobody to read its result."""
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set here
+        yield start()
+        return
+    pending, started = [], []
+
+    def forward(signum, _frame) -> None:
+        if not started:
+            pending.append(signum)
+        elif started[0].poll() is None:
+            started[0].send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (*STOPS, NOTICE)}
+    try:
+        started.append(start())
+        for signum in pending:  # arrived while it was starting
+            started[0].send_signal(signum)
+        yield started[0]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
