@@ -233,7 +233,7 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
     if proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # the trainer saved a checkpoint and stopped
         said = [line for line in log.read_text(errors="replace").splitlines() if "checkpoint step-" in line][-1:]
         raise UserError(f"training {family} stopped by a signal (exit {proc.returncode})"
-                        f"{': ' + said[0].split('dstrain: ')[-1] if said else ''}; rerun the same command to resume")
+                        f"{': ' + said[0].split('dstrain: ')[-1].split(';')[0] if said else ''}; rerun the same command to resume")
     if proc.returncode != 0:
         tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
         raise UserError(f"training {family} failed (exit {proc.returncode}): {tail[0][:300] if tail else 'no output'}; "
