@@ -227,8 +227,9 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
                                                                 preexec_fn=preemption.die_with_parent)) as proc:
         while proc.poll() is None:
             time.sleep(2.0)
-            if _logged_step(run_dir) > bar.n:
-                bar.update(_logged_step(run_dir) - bar.n)
+            logged = _logged_step(run_dir)  # one read of metrics.jsonl per poll
+            if logged > bar.n:
+                bar.update(logged - bar.n)
         bar.update(max(_logged_step(run_dir) - bar.n, 0))
     if proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # the trainer saved a checkpoint and stopped
         said = [line for line in log.read_text(errors="replace").splitlines() if "checkpoint step-" in line][-1:]
