@@ -36,8 +36,13 @@ def verdict(v: dict, claim: tuple[float, float], seeds: int) -> str:
                  + (" and not resolved from 0" if lo <= 0 else ", DSpark ahead by less than claimed"))
     elif lo > c_hi:
         words = f"supports DSpark ahead, by more than claimed ({100 * lo:+.1f} to {100 * hi:+.1f} %)"
-    elif lo > 0:
+    elif c_lo <= lo and hi <= c_hi:
         words = f"supports \"{said}\" ({100 * lo:+.1f} to {100 * hi:+.1f} %)"
+    elif lo > 0:
+        # ahead, and the claim lies in the interval, but so do gains outside it: the size is not pinned
+        outside = " and ".join(w for w, yes in (("smaller", lo < c_lo), ("larger", hi > c_hi)) if yes)
+        words = (f"is consistent with \"{said}\" without pinning its size: DSpark is ahead by {100 * v['gain']:+.1f} % "
+                 f"({100 * lo:+.1f} to {100 * hi:+.1f} %), an interval that also holds {outside} gains than claimed")
     else:
         words = f"cannot resolve \"{said}\": the interval ({100 * lo:+.1f} to {100 * hi:+.1f} %) includes 0 and the claim"
     if seeds < 2:
