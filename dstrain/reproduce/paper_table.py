@@ -50,6 +50,16 @@ def verdict(v: dict, claim: tuple[float, float], seeds: int) -> str:
     return words
 
 
+def seed_spread_warning(families: dict, diff: float) -> str | None:
+    """Where a family's seed spread (max − min macro τ) is at least the difference itself, the difference's sign may turn
+    with the seed: say so, naming the spreads."""
+    wide = [f"{f['label']}'s seed spread {f['seed_spread']:.3f} ({len(f['seeds'])} seeds)" for f in families.values()
+            if f["seed_spread"] is not None and f["seed_spread"] >= abs(diff)]
+    if not wide:
+        return None
+    return f"{' and '.join(wide)} is at least |Δτ| = {abs(diff):.3f}: its sign may differ at another seed"
+
+
 def assemble(records: list[dict], samples: int = 2000) -> dict:
     proto = check_one_protocol(records)
     domains = list(BENCH)
@@ -94,6 +104,9 @@ def assemble(records: list[dict], samples: int = 2000) -> dict:
                        "direction": ("DSpark ahead" if diff["lo"] > 0 else "DSpark behind" if diff["hi"] < 0 else "not resolved"),
                        "paper_claim": PAPER_CLAIMS.get(fam),
                        "verdict": verdict(diff, PAPER_CLAIMS[fam], len(seeds)) if fam in PAPER_CLAIMS else None}
+        spread = seed_spread_warning({x: families[x] for x in (REFERENCE, fam)}, diff["diff"])
+        if spread and versus[fam]["verdict"]:
+            versus[fam]["verdict"] += "; " + spread
     seeds = sorted({s for rec in records for s in rec.get("table_seeds", [])} | {rec["seed"] for rec in records})
     expected = [run_name(f, s) for s in seeds for f in PAPER_FAMILIES]
     return {"protocol": proto, "protocol_key": records[0]["protocol_key"], "runs": runs, "families": families,

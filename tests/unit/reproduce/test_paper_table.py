@@ -50,3 +50,13 @@ def test_the_committed_table_is_the_committed_records_assembled():
         c = committed["versus_dspark"][fam]
         assert (v["diff"], v["lo"], v["hi"]) == pytest.approx((c["diff"], c["lo"], c["hi"]), abs=1e-6), fam
         assert v["verdict"] == c["verdict"] and fam in PAPER_CLAIMS
+
+
+def test_a_seed_spread_as_large_as_the_difference_is_named():
+    from dstrain.reproduce.paper_table import seed_spread_warning
+    fams = {"a": {"label": "DSpark", "seed_spread": None, "seeds": [0]},
+            "b": {"label": "Eagle3", "seed_spread": 0.21, "seeds": [0, 1]}}
+    words = seed_spread_warning(fams, -0.077)
+    assert "Eagle3's seed spread 0.210 (2 seeds)" in words and "0.077" in words and "DSpark" not in words
+    assert seed_spread_warning(fams, 0.25) is None
+    assert seed_spread_warning({"a": fams["a"]}, 0.01) is None
