@@ -28,6 +28,13 @@ SCHEMA = 1
 PROTOCOL_SEED = 0  # benchmark prompts and decoding draws: the same for every run, so runs compare paired
 
 
+def recipe_key(text: str) -> str:
+    """The recipe's content, parsed: a comment or layout edit leaves the protocol (and every committed record) as is."""
+    import yaml
+
+    return S.key_of(yaml.safe_load(text))
+
+
 def protocol(sizes, recipe_path: str, corpus_folder: Path, target: str, depth: dict) -> dict:
     """Everything that decides what a record's numbers mean; the seeds are not part of it (a record is one seed)."""
     from dstrain.data import corpus
@@ -35,7 +42,7 @@ def protocol(sizes, recipe_path: str, corpus_folder: Path, target: str, depth: d
     man = corpus.manifest(corpus_folder)
     sz = {k: v for k, v in dataclasses.asdict(sizes).items() if k != "seeds"}
     return {"preset": "paper", "sizes": sz, "depth": dict(depth), "target": target, "protocol_seed": PROTOCOL_SEED,
-            "recipe_sha256": S.key_of(Path(recipe_path).read_text()), "corpus_sha256": man["sha256"],
+            "recipe_sha256": recipe_key(Path(recipe_path).read_text()), "corpus_sha256": man["sha256"],
             "held_out_rule": man["held_out"]["rule"]}
 
 

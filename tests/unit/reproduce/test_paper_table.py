@@ -60,3 +60,11 @@ def test_a_seed_spread_as_large_as_the_difference_is_named():
     assert "Eagle3's seed spread 0.210 (2 seeds)" in words and "0.077" in words and "DSpark" not in words
     assert seed_spread_warning(fams, 0.25) is None
     assert seed_spread_warning({"a": fams["a"]}, 0.01) is None
+
+
+def test_protocol_keys_the_recipe_content_not_its_comments():
+    from dstrain.reproduce.paper_record import recipe_key
+
+    text = "# a comment\nrun:\n  seed: 0   # trailing\ntrain:\n  lr: 0.001\n"
+    assert recipe_key(text) == recipe_key("run: {seed: 0}\ntrain: {lr: 1.0e-3}\n")
+    assert recipe_key(text) != recipe_key(text.replace("0.001", "0.002"))
