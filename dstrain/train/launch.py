@@ -41,6 +41,12 @@ def _train(recipe, run_dir: Path) -> int:
 
     verified = preflight(recipe)
     world = init_world(recipe)
+    if world.device.type == "cpu":
+        from dstrain.runtime.host_memory import keep_freed_memory
+
+        said = keep_freed_memory(world.device.type)  # before the first step's buffers
+        if world.is_main:
+            print(f"host memory: {said}", flush=True)
     if world.world_size == 1 and world.device.type == "cpu":
         from dstrain.train.deepspeed_setup import skip_shm_comm_op
 
