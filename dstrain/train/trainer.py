@@ -27,6 +27,7 @@ from dstrain.runtime.watchdog import progress
 from dstrain.train import compiling, resume_check
 from dstrain.runtime import checkpoint
 from dstrain.train.losses import position_weights
+from dstrain.train.optimizer import make_optimizer
 from dstrain.train.step import DraftStep
 from dstrain.train.step_metrics import MetricWindow, calibration_bins, clip_grad_norm, step_values
 
@@ -93,10 +94,7 @@ class Trainer:
             _, bridged = init_weights(drafter, recipe.drafter, frozen)
             if bridged and world.is_main:
                 print(f"drafter.init_from={recipe.drafter.init_from}: bridged to this recipe's settings: {'; '.join(bridged)}", flush=True)
-        decay = [p for p in drafter.parameters() if p.dim() >= 2]
-        no_decay = [p for p in drafter.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.train.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=recipe.train.lr, betas=(0.9, 0.95))
+        opt = make_optimizer(drafter, recipe.train)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.train))
         self.ckpt_dir = self.load_dir = run_dir / "checkpoints"
         self.fused_loss = compiling.fused_loss(recipe.train.compile, self.device)

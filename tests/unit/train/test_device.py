@@ -173,6 +173,7 @@ def test_deepspeed_engine_binds_the_run_device(monkeypatch, tmp_path):
     world = SimpleNamespace(drafter_group=None, drafter_host_group=None, device=device, num_drafters=1, is_main=True, mpu=None)
     with pytest.raises(Captured):
         Trainer(r, frozen, None, tmp_path / "run", world, verified_tag=None)
+    assert all(g["fused"] for g in seen["optimizer"].param_groups)  # the fused AdamW kernel (train/optimizer.py)
     bound = []
     accel = SimpleNamespace(set_device=bound.append, device_name=lambda i: f"cuda:{i}")
     monkeypatch.setattr(ds_engine, "get_accelerator", lambda: accel)
