@@ -13,7 +13,6 @@ import torch
 
 FUSED_DEVICES = {"cpu", "cuda"}  # torch's fused AdamW kernels that this project runs on
 BETAS = (0.9, 0.95)
-IMPLS = ("fused", "foreach", "single")
 
 
 def make_optimizer(drafter: torch.nn.Module, train_cfg, impl: str = "fused") -> torch.optim.AdamW:
@@ -24,6 +23,6 @@ def make_optimizer(drafter: torch.nn.Module, train_cfg, impl: str = "fused") -> 
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": train_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[impl]
-    if impl == "fused" and not all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params):
+    if impl == "fused" and not all(p.device.type in FUSED_DEVICES for p in params):
         kind = {}
     return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=BETAS, **kind)
