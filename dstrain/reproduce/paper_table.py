@@ -57,7 +57,8 @@ def seed_spread_warning(families: dict, diff: float) -> str | None:
             if f["seed_spread"] is not None and f["seed_spread"] >= abs(diff)]
     if not wide:
         return None
-    return f"{' and '.join(wide)} is at least |Δτ| = {abs(diff):.3f}: its sign may differ at another seed"
+    verb = "are" if len(wide) > 1 else "is"
+    return f"{' and '.join(wide)} {verb} at least |Δτ| = {abs(diff):.3f}: its sign may differ at another seed"
 
 
 def assemble(records: list[dict], samples: int = 2000) -> dict:

@@ -60,6 +60,9 @@ def test_a_seed_spread_as_large_as_the_difference_is_named():
     assert "Eagle3's seed spread 0.210 (2 seeds)" in words and "0.077" in words and "DSpark" not in words
     assert seed_spread_warning(fams, 0.25) is None
     assert seed_spread_warning({"a": fams["a"]}, 0.01) is None
+    fams["a"].update(seed_spread=0.1, seeds=[0, 1, 2])
+    both = seed_spread_warning(fams, 0.003)
+    assert "DSpark's seed spread 0.100 (3 seeds) and Eagle3's" in both and " are at least " in both
 
 
 def test_protocol_keys_the_recipe_content_not_its_comments():
