@@ -7,7 +7,7 @@ prompts, conditional acceptance per position, learning curves (held-out τ at ch
   dstrain table --quick             # a few-minute smoke run of the same pipeline
   dstrain table --device cuda       # training and evaluation on one GPU
   dstrain table --preset paper --run dspark-markov:0 --record-to benchmarks/paper-runs
-                                    # one run of the paper's configuration at convergence (DSpark / DFlash 5 layers,
+                                    # one run of the paper's configuration (DSpark / DFlash 5 layers,
                                     # Eagle3 1, block 7, held-out τ every epoch until it stops rising): hours of one
                                     # core (--dry-run estimates it), resumable; its record is what the table is made of
   dstrain table --preset paper --records benchmarks/paper-runs --out benchmarks/paper-table

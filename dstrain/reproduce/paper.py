@@ -1,5 +1,5 @@
-"""`dstrain table --preset paper`: the paper's offline configuration (§4.1) at convergence on the embedded default
-target. A (family, seed) run is the unit: it trains, evaluates its best checkpoint and writes a small committed record
+"""`dstrain table --preset paper`: the paper's offline configuration (§4.1) on the embedded default target, trained up
+to a cap of epochs. A (family, seed) run is the unit: it trains, evaluates its best checkpoint and writes a small committed record
 (paper_record.py); the table is assembled from records (paper_table.py).
 
 - Families: DSpark (Markov), DFlash (anchor + mask slots, only the masks predict), Eagle3 — the paper's Table 1.

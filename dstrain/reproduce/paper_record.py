@@ -25,6 +25,7 @@ from dstrain.reproduce.paper import run_name
 from dstrain.reproduce.report import BENCH
 
 SCHEMA = 1
+READABLE = (1, 2)
 PROTOCOL_SEED = 0  # benchmark prompts and decoding draws: the same for every run, so runs compare paired
 
 
@@ -139,7 +140,7 @@ def load(folders: list[Path]) -> list[dict]:
                 rec = json.loads(path.read_text())
             except (OSError, ValueError) as e:
                 raise UserError(f"{path}: not a readable run record ({e}); remove it or copy it again") from None
-            if not isinstance(rec, dict) or rec.get("schema") != SCHEMA or "protocol_key" not in rec:
+            if not isinstance(rec, dict) or rec.get("schema") not in READABLE or "protocol_key" not in rec:
                 continue  # another file kept beside the records (a README's JSON, a results file)
             ident = (rec["family"], rec["seed"])
             if ident in seen:
@@ -179,3 +180,36 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def totals(part: dict, domain: str) -> tuple[torch.Tensor, torch.Tensor]:
     t = part["totals"][domain]
     return torch.tensor(t["tokens"], dtype=torch.float64), torch.tensor(t["rounds"], dtype=torch.float64)
+
+
+def evals_of(rec: dict) -> dict:
+    """{temperature: {"held_out": part, "benchmarks": part}}: schema 1 evaluated at T = 1 only."""
+    if rec["schema"] == 1:
+        return {"1": {"held_out": rec["held_out"], "benchmarks": rec["benchmarks"]}}
+    return rec["evals"]
+
+
+def schedule_of(rec: dict):
+    """step → learning rate the run trained at, or None where the record cannot say: schema 2 keeps its schedule; a
+    schema 1 record's is the shipped recipe's when that recipe still has the record's content key."""
+    from types import SimpleNamespace
+
+    from dstrain.config.files import resolve_recipe_path
+    from dstrain.train.schedule import lr_lambda
+
+    lr = rec["training"].get("lr")
+    if lr is None:
+        import yaml
+
+        ov = dict(o.split("=", 1) for o in rec["overrides"])
+        try:
+            text = resolve_recipe_path("smollm2_moe", "recipe").read_text()
+        except UserError:  # no longer shipped: the lr column stays empty
+            return None
+        if recipe_key(text) != rec["protocol"]["recipe_sha256"] or "train.steps" not in ov:
+            return None
+        train = yaml.safe_load(text)["train"]
+        lr = {"peak": float(train["lr"]), "min": float(train["min_lr"]), "warmup": int(ov["train.warmup_steps"]),
+              "steps": int(ov["train.steps"])}
+    f = lr_lambda(SimpleNamespace(lr=lr["peak"], min_lr=lr["min"], warmup_steps=lr["warmup"], steps=lr["steps"]))
+    return lambda step: lr["peak"] * f(step)

@@ -116,9 +116,10 @@ def run_paper(args) -> int:
         path = cfg.out / "records" / f"{name}.json"
         if record_to is not None:
             shutil.copyfile(path, record_to / path.name)
-        bench = paper_table.assemble([{**record, "_path": str(path)}], args.bootstrap)["runs"][name]
-        print(f"  {name}: benchmark macro τ {bench['macro']['tau']:.3f} [{bench['macro']['lo']:.3f}, "
-              f"{bench['macro']['hi']:.3f}]; record {path}{f' (copied to {record_to})' if record_to else ''}; "
+        parts = paper_table.assemble([{**record, "_path": str(path)}], args.bootstrap)["runs"][name]["by_t"]
+        taus = "; ".join(f"{paper_table.T_LABEL[t]} {p['macro']['tau']:.3f} [{p['macro']['lo']:.3f}, {p['macro']['hi']:.3f}]"
+                         for t, p in parts.items())
+        print(f"  {name}: benchmark macro τ at {taus}; record {path}{f' (copied to {record_to})' if record_to else ''}; "
               f"{S.fmt_s(time.perf_counter() - t0)} this run", flush=True)
     if args.stop_after == "train" or args.run:
         return 0

@@ -9,7 +9,6 @@ same whatever micro-batch it landed in, and DeepSpeed's own 1/GAS scaling is swi
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -28,21 +27,12 @@ from dstrain.train import compiling, resume_check
 from dstrain.runtime import checkpoint
 from dstrain.train.losses import position_weights
 from dstrain.train.optimizer import make_optimizer
+from dstrain.train.schedule import lr_lambda
 from dstrain.train.step import DraftStep
 from dstrain.train.step_metrics import MetricWindow, calibration_bins, clip_grad_norm, step_values
 
 
 _UNCHECKED = object()
-
-
-def lr_lambda(train_cfg):
-    def f(step: int) -> float:
-        if step < train_cfg.warmup_steps:
-            return (step + 1) / max(train_cfg.warmup_steps, 1)
-        progress = (step - train_cfg.warmup_steps) / max(train_cfg.steps - train_cfg.warmup_steps, 1)
-        floor = train_cfg.min_lr / train_cfg.lr
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return f
 
 
 def clips_itself(recipe) -> bool:

@@ -245,9 +245,10 @@ def test_paper_preset_end_to_end_and_resume(tiny_world):
         for d, tot in rec["held_out"]["totals"].items():
             assert len(tot["tokens"]) == 3
     assert len({tuple(json.loads((committed / f"{n}.json").read_text())["benchmarks"]["prompt_ids"]) for n in names}) == 1
-    assert set(res["versus_dspark"]) == {"dflash", "eagle3"} and "97.50 %" in res["correction"]
-    for v in res["versus_dspark"].values():
-        assert v["seeds"] == [0, 1] and v["lo"] <= v["diff"] <= v["hi"] and v["verdict"]
+    tab = res["tables"]["1"]
+    assert set(tab["versus_dspark"]) == {"dflash", "eagle3"} and "97.50 %" in tab["correction"]
+    for v in tab["versus_dspark"].values():
+        assert v["seeds"] == [0, 1] and v["lo"] <= v["diff"] <= v["hi"] and v["verdict"] and v["over_seeds"]["seeds"] == 2
     text = (out / "results.md").read_text()
     assert "Every family against DSpark" in text and "The paper's claims" in text
     assert (out / "learning_curves.png").stat().st_size > 5000 and (out / "tau_seeds.png").stat().st_size > 5000
@@ -259,7 +260,7 @@ def test_paper_preset_end_to_end_and_resume(tiny_world):
     table = tiny_world / "table"
     done = run_tool("-m", "dstrain", "table", "--preset", "paper", "--records", committed, "--out", table, timeout=120)
     assert "Missing runs (1 of 6 remain): eagle3-s1" in done.stdout
-    assert json.loads((table / "results.json").read_text())["versus_dspark"]["eagle3"]["seeds"] == [0]
+    assert json.loads((table / "results.json").read_text())["tables"]["1"]["versus_dspark"]["eagle3"]["seeds"] == [0]
     # a record of another protocol is refused, naming the setting that differs
     rec = json.loads((committed / "dflash-s1.json").read_text())
     rec["protocol"]["sizes"]["eval_new_tokens"] = 99
