@@ -6,12 +6,15 @@ prompts, conditional acceptance per position, learning curves (held-out τ at ch
   dstrain table                     # the full table (about 2.5 h on 2 CPU cores, see README)
   dstrain table --quick             # a few-minute smoke run of the same pipeline
   dstrain table --device cuda       # training and evaluation on one GPU
-  dstrain table --preset paper --run dspark-markov:0 --record-to benchmarks/paper-runs
-                                    # one run of the paper's configuration (DSpark / DFlash 5 layers,
-                                    # Eagle3 1, block 7, held-out τ every epoch until it stops rising): hours of one
-                                    # core (--dry-run estimates it), resumable; its record is what the table is made of
-  dstrain table --preset paper --records benchmarks/paper-runs --out benchmarks/paper-table
+  dstrain table --preset paper2 --run dspark-markov:0 --record-to benchmarks/paper2-runs
+                                    # one run of the paper's configuration, protocol 2 (DSpark / DFlash 5 layers,
+                                    # Eagle3 1, block 7, 6 epochs annealed for every family, T = 1 and T = 0): about
+                                    # 1.5-2 h on 2 cores (--dry-run estimates it), resumable; its record is what the
+                                    # table is made of
+  dstrain table --preset paper2 --records benchmarks/paper2-runs --out benchmarks/paper2-table
                                     # the table from committed records (three families × seeds 0, 1, 2)
+  dstrain table --preset paper --records benchmarks/paper-runs --out benchmarks/paper-table
+                                    # protocol 1's table (plateau stop on a small subset, T = 1)
 
 Rerunning the same command resumes: stages whose configuration is unchanged are reused, an interrupted training
 continues from its last checkpoint. Writes OUT/results.json, results.md, tau_ci.png, acceptance.png,
@@ -67,10 +70,11 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse finished stages whose configuration matches (default %(default)s; --no-resume redoes everything)")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep intermediate checkpoints after the curves")
-    ap.add_argument("--preset", choices=("budget", "paper"), default="budget",
-                    help="budget: every family at one equal budget of supervised positions; paper: the "
-                         "paper's offline configuration trained to a held-out plateau, three seeds, a record per run "
-                         "(dstrain/reproduce/paper.py); default %(default)s")
+    ap.add_argument("--preset", choices=("budget", "paper", "paper2"), default="budget",
+                    help="budget: every family at one equal budget of supervised positions; paper2: the paper's offline "
+                         "configuration, three families × three seeds, the same annealed schedule for all, evaluated at "
+                         "T = 1 and T = 0, a record per run; paper: protocol 1, trained to a plateau of a small held-out "
+                         "subset (dstrain/reproduce/paper.py); default %(default)s")
     ap.add_argument("--run", metavar="FAMILY:SEED", help="paper preset: train and evaluate this one run and write its "
                     "record to OUT/records (default: every run of the table in turn)")
     ap.add_argument("--record-to", metavar="DIR", help="paper preset: also copy each run's record into DIR, e.g. the "
@@ -125,7 +129,7 @@ def dry_run(args: argparse.Namespace) -> int:
 
     man = corpus.manifest(corpus.resolve(args.corpus))
     train_prompts = man.get("held_out", {}).get("train_prompts", man["records"])
-    if args.preset == "paper":
+    if args.preset != "budget":
         from dstrain.reproduce import paper as PP
         from dstrain.reproduce.paper_run import make_config as paper_config, planned_runs, sizes_of
 
@@ -133,12 +137,8 @@ def dry_run(args: argparse.Namespace) -> int:
         cfg = paper_config(args, sizes)
         runs = planned_runs(args, sizes)
         plan = PP.estimates(sizes, train_prompts, runs)
-        what = (f"paper preset: {', '.join(PP.run_name(f, s) for f, s in runs)}, depth {PP.DEPTH}, block "
-                f"{sizes.block_size}, up to {sizes.epochs} epochs, held-out τ every epoch on {sizes.plateau_per_domain} "
-                f"prompts per domain × {sizes.eval_new_tokens} tokens, stop after {sizes.patience} without a gain; the best "
-                f"on {sizes.held_out_per_domain} held-out prompts per domain and {sizes.bench_prompts} prompts per benchmark "
-                f"× {sizes.bench_new_tokens} tokens; records to {cfg.out / 'records'}"
-                + (f" and {args.record_to}" if args.record_to else ""))
+        what = (f"{sizes.preset} preset: {', '.join(PP.run_name(f, s) for f, s in runs)}, {PP.describe(sizes)}; records "
+                f"to {cfg.out / 'records'}" + (f" and {args.record_to}" if args.record_to else ""))
     else:
         cfg = make_config(args)
         plan = S.estimates(cfg, train_prompts)
@@ -161,13 +161,14 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     args.invocation = getattr(args, "invocation", (["dstrain", "table"], sys.argv[1:]))
     args.argv = args.invocation[1]  # the command line is recorded in results.json
-    if args.preset != "paper" and (args.run or args.records or args.record_to):
-        raise UserError("--run, --records and --record-to belong to the paper preset: add --preset paper")
+    if args.preset == "budget" and (args.run or args.records or args.record_to):
+        raise UserError("--run, --records and --record-to belong to the paper presets: add --preset paper2 (or paper "
+                        "for protocol 1's records)")
     if args.records and args.run:
         raise UserError("--records assembles the table from records and --run makes one: give one of them")
     if args.dry_run and not args.records:
         return dry_run(args)
-    if args.preset == "paper":
+    if args.preset != "budget":
         from dstrain.reproduce.paper_run import run_paper
 
         return run_paper(args)

@@ -5,15 +5,19 @@ to a cap of epochs. A (family, seed) run is the unit: it trains, evaluates its b
 - Families: DSpark (Markov), DFlash (anchor + mask slots, only the masks predict), Eagle3 — the paper's Table 1.
 - Depth 5 : 1, block size 7 (Eagle3's training-time-test horizon 7), position weights exp(−(k−1)/7); the rest as the
   base recipe.
-- Convergence: up to `epochs` passes, held-out τ on a small fixed subset after each, stop after `patience`
-  evaluations without a new best; only the best checkpoint gets the full held-out evaluation and the benchmarks.
+- Protocol 1 (`paper`): up to `epochs` passes, held-out τ on a small fixed subset after each, stop after `patience`
+  evaluations without a new best; only the best checkpoint gets the full held-out evaluation and the benchmarks. Its
+  stop judged a 12-prompt T = 1 subset and left the schedule unannealed: kept so its records stay readable.
+- Protocol 2 (`paper2`): the same steps for every family, the cosine schedule annealed within them, no early stop (the
+  subset only draws the learning curve); the last checkpoint evaluated at T = 1 and T = 0 on the same prompts, with
+  per-prompt counts at every draft position.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dstrain.reproduce import stages as S
@@ -25,6 +29,7 @@ DEPTH = {"dspark-markov": 5, "dflash": 5, "eagle3": 1}
 
 @dataclass(frozen=True)
 class PaperSizes:
+    preset: str = "paper"
     seeds: tuple[int, ...] = (0, 1, 2)
     epochs: int = 10
     block_size: int = 7
@@ -36,10 +41,40 @@ class PaperSizes:
     bench_prompts: int = 30
     bench_new_tokens: int = 128
     epoch_cap: int | None = None  # steps an "epoch" at most (smoke runs)
+    temperatures: tuple[float, ...] = (1.0,)  # the final evaluation's, on the same prompts
+    positions: bool = False  # per-prompt counts at every draft position in the record
 
 
 QUICK = PaperSizes(seeds=(0, 1), epochs=2, plateau_per_domain=2, held_out_per_domain=3, eval_new_tokens=6, patience=1,
                    checkpoint_every=3, bench_prompts=2, bench_new_tokens=8, epoch_cap=3)
+# 6 epochs: the 10-epoch runs of protocol 1 were still rising at the cap, and a DSpark run of 4020 steps plus its two
+# evaluations fits one 3-hour session on 2 cores (one run a session, as the records are made)
+PAPER2 = PaperSizes(preset="paper2", epochs=6, patience=0, temperatures=(1.0, 0.0), positions=True)
+QUICK2 = replace(QUICK, preset="paper2", patience=0, temperatures=(1.0, 0.0), positions=True)
+SIZES = {"paper": (PaperSizes(), QUICK), "paper2": (PAPER2, QUICK2)}
+PRESETS = tuple(SIZES)
+
+
+def temperature_label(t: float) -> str:
+    return f"{t:g}"
+
+
+def fixed_schedule(sizes: PaperSizes) -> bool:
+    return sizes.patience == 0
+
+
+def describe(sizes: PaperSizes) -> str:
+    """The resolved plan of a preset in one line (the run's banner and --dry-run)."""
+    if fixed_schedule(sizes):
+        train = (f"{sizes.epochs} epochs for every family, cosine annealed to the last step, no early stop, held-out τ of "
+                 f"{sizes.plateau_per_domain} prompts per domain after each for the curve; the last checkpoint")
+    else:
+        train = (f"up to {sizes.epochs} epochs, held-out τ of {sizes.plateau_per_domain} prompts per domain after each, "
+                 f"stop after {sizes.patience} without a gain; the best")
+    temps = " and ".join(f"T = {temperature_label(t)}" for t in sizes.temperatures)
+    return (f"depth {DEPTH}, block {sizes.block_size}, {train} on {sizes.held_out_per_domain} held-out prompts per domain "
+            f"× {sizes.eval_new_tokens} tokens and {sizes.bench_prompts} per benchmark × {sizes.bench_new_tokens} tokens "
+            f"at {temps}")
 
 
 def parse_run(text: str, sizes: PaperSizes) -> tuple[str, int]:
@@ -140,12 +175,15 @@ def estimates(sizes: PaperSizes, samples: int, runs: list[tuple[str, int]], cach
         return 790.0 * prompts * tokens / (90 * 64)
 
     per_epoch = samples / 2 if sizes.epoch_cap is None else min(samples / 2, sizes.epoch_cap)
-    epochs = max(1, round(sizes.epochs * 2 / 3))
+    epochs = sizes.epochs if fixed_schedule(sizes) else max(1, round(sizes.epochs * 2 / 3))
+    temps = len(sizes.temperatures)
     plan = [("data", "data", 30.0)]
     for i, (fam, seed) in enumerate(runs):
         fill = 0.0 if cache_filled or i else 1.1 * samples  # the first run on a machine fills the feature cache
         plateau = decode_s(3 * sizes.plateau_per_domain, sizes.eval_new_tokens)
         plan.append((f"train {run_name(fam, seed)}", "train", fill + epochs * (per_epoch * step_s[fam] + plateau)))
-        plan.append((f"held-out {run_name(fam, seed)}", "eval", decode_s(3 * sizes.held_out_per_domain, sizes.eval_new_tokens)))
-        plan.append((f"benchmarks {run_name(fam, seed)}", "eval", decode_s(3 * sizes.bench_prompts, sizes.bench_new_tokens) / 2))
+        for t in sizes.temperatures:
+            at = f" T={temperature_label(t)}" if temps > 1 else ""
+            plan.append((f"held-out {run_name(fam, seed)}{at}", "eval", decode_s(3 * sizes.held_out_per_domain, sizes.eval_new_tokens)))
+            plan.append((f"benchmarks {run_name(fam, seed)}{at}", "eval", decode_s(3 * sizes.bench_prompts, sizes.bench_new_tokens) / 2))
     return plan

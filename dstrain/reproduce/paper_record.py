@@ -24,7 +24,7 @@ from dstrain.reproduce import stages as S
 from dstrain.reproduce.paper import run_name
 from dstrain.reproduce.report import BENCH
 
-SCHEMA = 1
+SCHEMA = {"paper": 1, "paper2": 2}  # 2: evaluations keyed by temperature, per-prompt position counts, the schedule
 READABLE = (1, 2)
 PROTOCOL_SEED = 0  # benchmark prompts and decoding draws: the same for every run, so runs compare paired
 
@@ -42,7 +42,9 @@ def protocol(sizes, recipe_path: str, corpus_folder: Path, target: str, depth: d
 
     man = corpus.manifest(corpus_folder)
     sz = {k: v for k, v in dataclasses.asdict(sizes).items() if k != "seeds"}
-    return {"preset": "paper", "sizes": sz, "depth": dict(depth), "target": target, "protocol_seed": PROTOCOL_SEED,
+    if sizes.preset == "paper":  # protocol 1's key predates these fields: its records keep mixing with new ones
+        sz = {k: v for k, v in sz.items() if k not in ("preset", "temperatures", "positions")}
+    return {"preset": sizes.preset, "sizes": sz, "depth": dict(depth), "target": target, "protocol_seed": PROTOCOL_SEED,
             "recipe_sha256": recipe_key(Path(recipe_path).read_text()), "corpus_sha256": man["sha256"],
             "held_out_rule": man["held_out"]["rule"]}
 
@@ -62,66 +64,102 @@ def machine() -> dict:
             "threads": torch.get_num_threads()}
 
 
-def decode_totals(ev: S.Evaluator, cand, records: list[dict], batch: int, max_new: int) -> dict:
+def decode_totals(ev: S.Evaluator, cand, records: list[dict], batch: int, max_new: int, temperature: float = 1.0,
+                  positions: bool = False) -> dict:
+    """Per-prompt accepted tokens and rounds per domain; with `positions`, per prompt and draft position k the rounds
+    that verified k (1..k−1 accepted) and those that accepted it."""
     from dstrain.eval.bootstrap import prompt_totals
 
     by_domain = ev.prompts(records)
-    res, rollouts = ev.run(cand, by_domain, batch, max_new, PROTOCOL_SEED)
+    res, rollouts = ev.run(cand, by_domain, batch, max_new, PROTOCOL_SEED, temperature)
     totals = {}
     for domain, logs in rollouts.items():
-        tokens, rounds = prompt_totals(logs, len(by_domain[domain]))
+        n = len(by_domain[domain])
+        tokens, rounds = prompt_totals(logs, n)
         totals[domain] = {"tokens": tokens.tolist(), "rounds": rounds.tolist()}
+        if positions:
+            per_k = [S.position_totals(logs, n, k) for k in range(1, cand.gamma + 1)]
+            totals[domain]["positions"] = {"reached": torch.stack([r for r, _ in per_k], 1).tolist(),
+                                           "accepted": torch.stack([a for _, a in per_k], 1).tolist()}
     return {"prompt_ids": [r["id"] for r in records], "totals": totals, "trained_steps": res["trained_steps"],
             "conditional_acceptance": {d: res["domains"][d]["conditional_acceptance"] for d in totals}}
 
 
+def evaluated_tag(sizes, run_dir: Path) -> str:
+    """Protocol 1: the plateau's best checkpoint. Protocol 2: the last one, where the schedule ends (nothing selected)."""
+    from dstrain.reproduce.paper import fixed_schedule
+
+    return S.checkpoint_tags(run_dir)[-1] if fixed_schedule(sizes) else "best"
+
+
 def evaluate_best(cfg: S.Config, ev: S.Evaluator, sizes, name: str, target: str, train_key: str, clock: S.Clock) -> dict:
-    """The best checkpoint on the full held-out set and on the benchmarks; each stage stored and reused by key."""
+    """The evaluated checkpoint on the full held-out set and on the benchmarks, at each of the protocol's
+    temperatures: {temperature label: {stage: totals}}; each stage stored and reused by key."""
     from dstrain.eval.prompts import sampled_benchmark_prompts
+    from dstrain.reproduce.paper import temperature_label
     from dstrain.train.live_eval import held_out_records
 
     run_dir = cfg.out / "runs" / name
-    out = {}
     stages = {
         "held_out": lambda: [r for recs in held_out_records(cfg.corpus, target, sizes.held_out_per_domain).values() for r in recs],
         "benchmarks": lambda: sampled_benchmark_prompts(list(BENCH), sizes.bench_prompts, PROTOCOL_SEED)}
     shape = {"held_out": (sizes.held_out_per_domain, sizes.eval_new_tokens),
              "benchmarks": (sizes.bench_prompts, sizes.bench_new_tokens)}
+    tag = evaluated_tag(sizes, run_dir)
+    several = len(sizes.temperatures) > 1
+    out: dict[str, dict] = {}
     cand = None
-    for stage, records in stages.items():
-        batch, max_new = shape[stage]
-        key = S.key_of({"train": train_key, "stage": stage, "batch": batch, "new": max_new, "protocol": PROTOCOL_SEED,
-                        "tag": "best"})
-        path = cfg.out / "eval" / f"{name}.{stage}.json"
-        done = S.reuse(path, key, cfg.resume)
-        if done:
-            clock.finish(f"{stage.replace('_', '-')} {name}", 0.0, reused=True)
-            out[stage] = done
-            continue
-        t0 = time.perf_counter()
-        cand = cand or ev.candidate(run_dir, name, "best")
-        result = decode_totals(ev, cand, records(), batch, max_new)
-        seconds = time.perf_counter() - t0
-        out[stage] = S.store(path, key, {**result, "seconds": seconds})
-        clock.finish(f"{stage.replace('_', '-')} {name}", seconds)
+    for temp in sizes.temperatures:
+        label = temperature_label(temp)
+        for stage, records in stages.items():
+            batch, max_new = shape[stage]
+            what = {"train": train_key, "stage": stage, "batch": batch, "new": max_new, "protocol": PROTOCOL_SEED,
+                    "tag": "best"}
+            if sizes.preset != "paper":  # protocol 1's stored evaluations keep their keys
+                what.update(tag=tag, temperature=temp, positions=sizes.positions)
+            key = S.key_of(what)
+            path = cfg.out / "eval" / (f"{name}.{stage}.json" if not several else f"{name}.{stage}.T{label}.json")
+            stage_name = f"{stage.replace('_', '-')} {name}" + (f" T={label}" if several else "")
+            done = S.reuse(path, key, cfg.resume)
+            if done:
+                clock.finish(stage_name, 0.0, reused=True)
+                out.setdefault(label, {})[stage] = done
+                continue
+            t0 = time.perf_counter()
+            cand = cand or ev.candidate(run_dir, name, tag)
+            result = decode_totals(ev, cand, records(), batch, max_new, temp, sizes.positions)
+            seconds = time.perf_counter() - t0
+            out.setdefault(label, {})[stage] = S.store(path, key, {**result, "seconds": seconds, "temperature": temp})
+            clock.finish(stage_name, seconds)
     return out
 
 
-def write(cfg: S.Config, sizes, proto: dict, rec: dict, evals: dict, data: dict, overrides: list[str]) -> dict:
+def write(cfg: S.Config, sizes, proto: dict, rec: dict, evals: dict, data: dict, overrides: list[str], recipe) -> dict:
     """OUT/records/NAME.json, written whole (temporary file, then rename)."""
+    from dstrain.reproduce.paper import fixed_schedule
+
     strip = lambda ev: {k: v for k, v in ev.items() if k != "key"}  # noqa: E731
+    ov = dict(o.split("=", 1) for o in overrides)
+    training = {"steps": rec["steps"], "epoch_steps": rec["epoch_steps"], "seconds": rec["seconds"],
+                "best": (rec.get("eval") or {}).get("best"), "stopped_early": (rec.get("eval") or {}).get("stopped_early"),
+                "feature_cache": rec.get("feature_cache")}
     record = {
-        "schema": SCHEMA, "run": run_name(rec["family"], rec["seed"]), "family": rec["family"], "label": rec["label"], "seed": rec["seed"],
-        "protocol_key": S.key_of(proto), "protocol": proto, "table_seeds": list(sizes.seeds), "code": code_version(), "machine": machine(),
+        "schema": SCHEMA[sizes.preset], "run": run_name(rec["family"], rec["seed"]), "family": rec["family"],
+        "label": rec["label"], "seed": rec["seed"], "protocol_key": S.key_of(proto), "protocol": proto,
+        "table_seeds": list(sizes.seeds), "code": code_version(), "machine": machine(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "data": {k: data[k] for k in ("train_conversations", "samples", "held_out_prompts") if k in data},
         "overrides": [o for o in overrides if not o.startswith(("data.shards=", "run.output_dir=", "eval.corpus=",
                                                                 "train.feature_cache_dir="))],
-        "training": {"steps": rec["steps"], "epoch_steps": rec["epoch_steps"], "seconds": rec["seconds"],
-                     "best": (rec.get("eval") or {}).get("best"),
-                     "stopped_early": (rec.get("eval") or {}).get("stopped_early"),
-                     "feature_cache": rec.get("feature_cache")},
-        "curve": rec["curve"], "held_out": strip(evals["held_out"]), "benchmarks": strip(evals["benchmarks"])}
+        "training": training, "curve": rec["curve"]}
+    if record["schema"] == 1:
+        (only,) = evals.values()
+        record.update(held_out=strip(only["held_out"]), benchmarks=strip(only["benchmarks"]))
+    else:
+        training.update(fixed_schedule=fixed_schedule(sizes), evaluated_step=int(ov["train.steps"]),
+                        lr={"peak": recipe.train.lr, "min": recipe.train.min_lr, "warmup": int(ov["train.warmup_steps"]),
+                            "steps": int(ov["train.steps"])})
+        record["evals"] = {t: {stage: strip(part) for stage, part in parts.items()} for t, parts in evals.items()}
     path = cfg.out / "records" / f"{record['run']}.json"
     S.store(path, record["protocol_key"], record)
     return json.loads(path.read_text())

@@ -41,7 +41,8 @@ def make_config(args, sizes):
 def sizes_of(args):
     from dstrain.reproduce import paper as PP
 
-    return PP.QUICK if args.quick else PP.PaperSizes()
+    full, quick = PP.SIZES[args.preset]
+    return quick if args.quick else full
 
 
 def planned_runs(args, sizes) -> list[tuple[str, int]]:
@@ -90,11 +91,8 @@ def run_paper(args) -> int:
     train_prompts = man.get("held_out", {}).get("train_prompts", man["records"])
     cache_filled = cfg.feature_cache is not None and cfg.feature_cache.is_dir() and any(cfg.feature_cache.iterdir())
     clock = S.Clock(PP.estimates(sizes, train_prompts, runs, cache_filled))
-    print(f"dstrain table --preset paper: {', '.join(PP.run_name(f, s) for f, s in runs)}; depth {PP.DEPTH}, block "
-          f"{sizes.block_size}, up to {sizes.epochs} epochs, held-out τ of {sizes.plateau_per_domain} prompts per domain "
-          f"after each, stop after {sizes.patience} without a gain; the best on {sizes.held_out_per_domain} held-out "
-          f"prompts per domain and {sizes.bench_prompts} per benchmark; device {cfg.device}; ETA {S.fmt_s(clock.eta())} "
-          "(first guess; refined as stages finish)", flush=True)
+    print(f"dstrain table --preset {sizes.preset}: {', '.join(PP.run_name(f, s) for f, s in runs)}; {PP.describe(sizes)}; "
+          f"device {cfg.device}; ETA {S.fmt_s(clock.eta())} (first guess; refined as stages finish)", flush=True)
     data = S.prepare_data(cfg, recipe, clock)
     print(f"  data: {data['train_conversations']} training conversations, {data['samples']} samples "
           f"({PP.epoch_steps(recipe, data['samples'])} steps an epoch), {data['held_out_prompts']} held-out prompts",
@@ -112,7 +110,7 @@ def run_paper(args) -> int:
         ev = ev or S.Evaluator(cfg.out / "runs" / name, cfg.device)  # the target, loaded once for every run
         evals = paper_record.evaluate_best(cfg, ev, sizes, name, recipe.target.name, rec["key"], clock)
         ov = PP.overrides(cfg, recipe, sizes, fam, seed, data, layers)
-        record = paper_record.write(cfg, sizes, proto, rec, evals, data, ov)
+        record = paper_record.write(cfg, sizes, proto, rec, evals, data, ov, recipe)
         path = cfg.out / "records" / f"{name}.json"
         if record_to is not None:
             shutil.copyfile(path, record_to / path.name)

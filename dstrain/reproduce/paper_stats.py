@@ -104,7 +104,7 @@ def ending(training: dict, curve: dict, planned_steps: int, epochs: int, schedul
     per = training["epoch_steps"]
     points = curve.get("points") or []
     ran = points[-1]["step"] if points else training["steps"]
-    evaluated = (training.get("best") or {}).get("step") or ran
+    evaluated = training.get("evaluated_step") or (training.get("best") or {}).get("step") or ran
     capped = ran >= planned_steps
     stop = "schedule" if training.get("fixed_schedule") else "cap" if capped else "plateau"
     lr = schedule(evaluated) if schedule else None

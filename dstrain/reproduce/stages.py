@@ -318,15 +318,16 @@ class Evaluator:
             by_domain.setdefault(rec["domain"], []).append(ids)
         return by_domain
 
-    def run(self, cand, by_domain: dict, batch: int, max_new: int, seed: int) -> tuple[dict, dict]:
-        """T = 1, every draft verified (the paper's offline protocol: no confidence scheduler)."""
+    def run(self, cand, by_domain: dict, batch: int, max_new: int, seed: int, temperature: float = 1.0
+            ) -> tuple[dict, dict]:
+        """Every draft verified (the paper's offline protocol: no confidence scheduler); T = 1 unless told."""
         from dstrain.eval.decode import LengthPolicy
         from dstrain.eval.evaluation import evaluate
 
         torch.manual_seed(seed)
         target = self.target
-        results, rollouts = evaluate(target, [cand], by_domain, batch, max_new, self.eos, 1.0, LengthPolicy(), seed,
-                                     baseline=False)
+        results, rollouts = evaluate(target, [cand], by_domain, batch, max_new, self.eos, temperature, LengthPolicy(),
+                                     seed, baseline=False)
         return results["drafters"][cand.name], rollouts[cand.name]
 
 

@@ -215,60 +215,84 @@ def test_pooled_paired_difference_and_stratified_benchmark_sample():
     assert first30 != [f"gsm8k/{i}" for i in range(30)] and first30 != [p["id"] for p in a if p["domain"] == "math"]
 
 
-def test_paper_preset_end_to_end_and_resume(tiny_world):
-    """--preset paper --quick on the tiny world: three families × two seeds, 5 : 1 depth, block 7, held-out τ of a
-    subset during training, the best checkpoints evaluated on the full held-out set and the stratified benchmark sample;
-    a record per run; the table from records (DSpark against each family, the paper's claims judged); a rerun reuses
-    every stage; records of another protocol are refused and missing runs named."""
+def test_paper2_preset_end_to_end_and_resume(tiny_world):
+    """--preset paper2 --quick on the tiny world: three families × two seeds, 5 : 1 depth, block 7, the same annealed
+    steps for every family and no early stop (held-out τ of a subset after each epoch for the curve only), the last
+    checkpoint evaluated on the full held-out set and the stratified benchmark sample at T = 1 and T = 0 with per-prompt
+    counts at every draft position; a record per run; the table from records; a rerun reuses every stage; records of
+    another protocol are refused and missing runs named."""
     out, committed = tiny_world / "paper", tiny_world / "committed"
     committed.mkdir()
-    args = ["-m", "dstrain", "table", "--preset", "paper", "--quick", "--recipe", tiny_world / "recipe.yaml",
+    args = ["-m", "dstrain", "table", "--preset", "paper2", "--quick", "--recipe", tiny_world / "recipe.yaml",
             "--corpus", tiny_world / "corpus", "--out", out, "--record-to", committed]
     run_tool(*args, timeout=1200)
     res = json.loads((out / "results.json").read_text())
     names = sorted(f"{f}-s{s}" for f in ("dspark-markov", "dflash", "eagle3") for s in (0, 1))
-    assert sorted(res["runs"]) == names and res["missing"] == []
+    assert sorted(res["runs"]) == names and res["missing"] == [] and res["temperatures"] == ["1", "0"]
     assert sorted(p.stem for p in committed.glob("*.json")) == names
+    steps = set()
     for name, r in res["runs"].items():
         recipe = yaml.safe_load((out / "runs" / name / "recipe.yaml").read_text())
         assert recipe["drafter"]["num_layers"] == (1 if r["family"] == "eagle3" else 5)
         assert recipe["drafter"]["block_size"] == 7 and recipe["eval"]["every"] == 3 and recipe["run"]["seed"] == r["seed"]
-        assert recipe["eval"]["per_domain"] == 2  # the plateau subset
+        assert recipe["eval"]["per_domain"] == 2 and recipe["eval"]["patience"] == 0  # the curve subset, no stop
+        steps.add(recipe["train"]["steps"])
+        assert r["ending"]["stop"] == "schedule" and r["ending"]["epochs_run"] == 2
+        assert r["ending"]["lr_evaluated"] == pytest.approx(recipe["train"]["min_lr"], rel=0.05)  # annealed
         points = r["curve"]["points"]
-        assert points and r["training"]["best"]["step"] in [p["step"] for p in points]
-        assert all(len(p["prompts"][d]["tokens"]) == 2 for p in points for d in p["prompts"])
+        assert [p["step"] for p in points] == [3, 6]
         rec = json.loads((committed / f"{name}.json").read_text())
-        assert rec["held_out"]["trained_steps"] == rec["benchmarks"]["trained_steps"] == r["training"]["best"]["step"]
-        assert len(rec["benchmarks"]["prompt_ids"]) == 6 and len(rec["held_out"]["prompt_ids"]) == 9
+        assert rec["schema"] == 2 and set(rec["evals"]) == {"1", "0"} and rec["training"]["fixed_schedule"]
+        for temp, parts in rec["evals"].items():
+            assert parts["held_out"]["trained_steps"] == parts["benchmarks"]["trained_steps"] == recipe["train"]["steps"]
+            assert parts["benchmarks"]["temperature"] == float(temp)
+            assert len(parts["benchmarks"]["prompt_ids"]) == 6 and len(parts["held_out"]["prompt_ids"]) == 9
+            for d, tot in parts["benchmarks"]["totals"].items():
+                pos = tot["positions"]
+                assert len(pos["reached"]) == len(tot["rounds"]) == 2 and all(len(x) == 7 for x in pos["reached"])
+                # every round verifies position 1; a position is reached only after the one before it was accepted
+                assert [x[0] for x in pos["reached"]] == tot["rounds"]
+                assert all(r2 <= a1 for rs, acc in zip(pos["reached"], pos["accepted"]) for r2, a1 in zip(rs[1:], acc))
         assert rec["code"]["commit"] != "unknown" and rec["protocol_key"] == res["protocol_key"]
-        # the subset the plateau was judged on is the first prompts of the full held-out set, per domain
-        for d, tot in rec["held_out"]["totals"].items():
-            assert len(tot["tokens"]) == 3
-    assert len({tuple(json.loads((committed / f"{n}.json").read_text())["benchmarks"]["prompt_ids"]) for n in names}) == 1
-    tab = res["tables"]["1"]
-    assert set(tab["versus_dspark"]) == {"dflash", "eagle3"} and "97.50 %" in tab["correction"]
-    for v in tab["versus_dspark"].values():
-        assert v["seeds"] == [0, 1] and v["lo"] <= v["diff"] <= v["hi"] and v["verdict"] and v["over_seeds"]["seeds"] == 2
+    assert len(steps) == 1  # the same steps for every family
     text = (out / "results.md").read_text()
-    assert "Every family against DSpark" in text and "The paper's claims" in text
-    assert (out / "learning_curves.png").stat().st_size > 5000 and (out / "tau_seeds.png").stat().st_size > 5000
+    assert "## T = 1 (sampled)" in text and "## T = 0 (greedy)" in text and "over seeds" in text
+    for png in ("learning_curves.png", "tau_seeds.png", "positions.png"):
+        assert (out / png).stat().st_size > 5000
     again = run_tool(*args, timeout=300)
-    assert again.stdout.count("reused (config unchanged)") == 1 + 3 * 6, again.stdout
+    assert again.stdout.count("reused (config unchanged)") == 1 + 5 * 6, again.stdout
 
     # the table from committed records alone, with a run missing: named, the rest assembled
     (committed / "eagle3-s1.json").unlink()
     table = tiny_world / "table"
-    done = run_tool("-m", "dstrain", "table", "--preset", "paper", "--records", committed, "--out", table, timeout=120)
+    done = run_tool("-m", "dstrain", "table", "--preset", "paper2", "--records", committed, "--out", table, timeout=120)
     assert "Missing runs (1 of 6 remain): eagle3-s1" in done.stdout
-    assert json.loads((table / "results.json").read_text())["tables"]["1"]["versus_dspark"]["eagle3"]["seeds"] == [0]
+    assert json.loads((table / "results.json").read_text())["tables"]["0"]["versus_dspark"]["eagle3"]["seeds"] == [0]
     # a record of another protocol is refused, naming the setting that differs
     rec = json.loads((committed / "dflash-s1.json").read_text())
     rec["protocol"]["sizes"]["eval_new_tokens"] = 99
     rec["protocol_key"] = "0123456789abcdef"
     (committed / "dflash-s1.json").write_text(json.dumps(rec))
-    bad = run_tool("-m", "dstrain", "table", "--preset", "paper", "--records", committed, "--out", table, check=False,
+    bad = run_tool("-m", "dstrain", "table", "--preset", "paper2", "--records", committed, "--out", table, check=False,
                    timeout=120)
     assert bad.returncode != 0 and "another protocol" in bad.stderr and "sizes.eval_new_tokens: 6 vs 99" in bad.stderr
+
+
+def test_protocol_1_keeps_its_key_so_its_records_stay_one_table():
+    """Protocol 2's fields are not part of protocol 1: a protocol 1 run made today would join the committed records."""
+    from dstrain.config.files import resolve_recipe_path
+    from dstrain.data.corpus import resolve
+    from dstrain.reproduce import paper as PP
+    from dstrain.reproduce.paper_record import load, protocol
+    from dstrain.reproduce.stages import key_of
+
+    committed = load([ROOT / "benchmarks" / "paper-runs"])[0]
+    proto = protocol(PP.PaperSizes(), str(resolve_recipe_path("smollm2_moe")), resolve("smollm2_moe"),
+                     committed["protocol"]["target"], PP.DEPTH)
+    assert key_of(proto) == committed["protocol_key"]
+    two = protocol(PP.PAPER2, str(resolve_recipe_path("smollm2_moe")), resolve("smollm2_moe"), committed["protocol"]["target"],
+                   PP.DEPTH)
+    assert key_of(two) != committed["protocol_key"] and two["preset"] == "paper2"
 
 
 def test_every_family_is_a_valid_recipe_that_changes_what_its_name_says():
