@@ -1,4 +1,5 @@
-"""The meta-device CUDA check's report: every drafter configuration's step, Trainer.train_step, the channel's row
+"""The meta-device CUDA check's report: every drafter configuration's step, Trainer.train_step, the trainer's whole
+step (colocated source with no cache, the in-memory cache and the on-disk store, then train_step), the channel's row
 handling and the megatron target's forward (GPT family, DeepSeek-V3, V4; in a child process) run on `meta` with the
 CUDA branches taken (dstrain/testing/host_reads.py); one line each with its host reads, and every read's kind and
 dstrain file:line; megatron's own reads listed apart. Exits 1 when any dstrain code reads from the host.
@@ -40,10 +41,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write every configuration's reads here (default: none)")
     args = ap.parse_args(argv)
-    from dstrain.testing import meta_steps as M
+    from dstrain.testing import meta_steps as M, meta_trainer as T
+
+    def whole(cfg, cache):
+        reads = T.whole_step(cfg, cache)
+        return reads.report(), reads.known_report()
 
     checks = [(f"drafter step  {c.name}", lambda c=c: M.drafter_step(c)) for c in M.drafter_configs()]
     checks += [(f"trainer step  {c.name}", lambda c=c: M.trainer_step(c)) for c in M.trainer_configs()]
+    checks += [(f"whole step    {c.name} cache={cache}", lambda c=c, cache=cache: whole(c, cache))
+               for c, cache in T.whole_step_configs()]
     checks.append(("channel rows  target side and drafter side", M.channel_rows))
     checks.append(("megatron target forward  qwen3_moe, deepseek_v3, deepseek_v4 at tp = 1, bf16", _megatron))
     out, width = {}, max(len(name) for name, _ in checks)
@@ -57,7 +64,7 @@ def main(argv=None) -> int:
         for r in reads:
             print(f"    {r['count']} x {r['kind']:<8} {r['what']} at {r['site']}")
         for r in known:
-            print(f"    megatron's own: {r['count']} x {r['kind']} {r['what']} at {r['site']}")
+            print(f"    the library's own: {r['count']} x {r['kind']} {r['what']} at {r['site']}")
     bad = sum(1 for v in out.values() if v)
     print(f"{len(checks)} configurations on meta with the CUDA branches taken: "
           + ("no host reads" if not bad else f"{bad} read from the host"))

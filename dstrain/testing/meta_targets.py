@@ -136,9 +136,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default=",".join(FAMILIES), help="default %(default)s")
     ap.add_argument("--json", help="write the results here (default: print them)")
+    ap.add_argument("--plant", metavar="FILE", help="a Python file run first (a test planting a defect to be caught)")
     ap.add_argument("--unseeded", action="store_true", help="skip seeding megatron's CUDA RNG tracker, as before issue "
                     "38 (the forward must then fail)")
     args = ap.parse_args(argv)
+    if args.plant:
+        import runpy
+
+        runpy.run_path(args.plant, run_name="plant")
     if args.unseeded:
         from dstrain.targets import megatron
 

@@ -17,7 +17,7 @@ import torch
 from dstrain.runtime.channel import Receiver, compact, needed_rows, send_resume, wait_for_targets
 from dstrain.data.loader import Sample
 from dstrain.packing.blocks import PackedBlocks
-from dstrain.train.step import TargetFeatures, pack_step, target_features
+from dstrain.train.step import DeferredPuts, TargetFeatures, pack_step, target_features
 
 
 @dataclass
@@ -37,7 +37,8 @@ class LocalSource:
     def __init__(self, target, loader, recipe, cache=None, device=None, vocab: int | None = None):
         """`cache`: a step.FeatureCache or a feature_store.FeatureStore (or None: the target runs every visit).
         `vocab`: the LM head's rows, to plan the loss chunks while packing (None: the step finds shared rows itself)."""
-        self.target, self.loader, self.recipe, self.cache, self.vocab = target, loader, recipe, cache, vocab
+        self.target, self.loader, self.recipe, self.vocab = target, loader, recipe, vocab
+        self.cache = DeferredPuts(cache) if cache is not None else None
         self.device = torch.device(device or "cpu")
         self._stream = None
         self.feature_s = 0.0  # time spent getting target features (forward or cache): what a warm cache saves
@@ -62,9 +63,13 @@ class LocalSource:
     def cache_metrics(self) -> dict:
         """Cumulative: seconds spent on target features, and the on-disk cache's counters when there is one."""
         out = {"target_feature_s": self.feature_s}
-        if hasattr(self.cache, "metrics"):
+        if self.cache is not None:
             out.update(self.cache.metrics())
         return out
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()

@@ -123,10 +123,21 @@ def static_chunk_caps(packed, rows: int) -> list[int] | None:
 
 def default_chunk_rows(n: int, vocab: int, device, budget_mb: float | None = None) -> int:
     """vocab_loss's rows per chunk when not given: a memory budget of 96 MB on the CPU, an eighth of the free
-    memory on a GPU (asking for it waits for the device: call it before the step)."""
+    memory on a GPU, asked once per process and device (the query waits for the device: the first packing asks it,
+    before step 0 has queued anything; every later step reuses it)."""
     if budget_mb is None:
-        budget_mb = _free_cuda_mb(device) / 8 if on_cuda(device) else 96.0
+        budget_mb = gpu_chunk_budget_mb(device) if on_cuda(device) else 96.0
     return _chunk_rows(n, vocab, budget_mb)
+
+
+_GPU_BUDGET_MB: dict[str, float] = {}
+
+
+def gpu_chunk_budget_mb(device) -> float:
+    key = str(device)
+    if key not in _GPU_BUDGET_MB:
+        _GPU_BUDGET_MB[key] = _free_cuda_mb(device) / 8
+    return _GPU_BUDGET_MB[key]
 
 
 def plan_vocab_chunks(packed, vocab: int, device="cpu", rows_per_chunk: int | None = None):

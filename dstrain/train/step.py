@@ -72,7 +72,52 @@ def target_device(target) -> torch.device:
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host batch to the target's device without blocking the host (pinned memory on a GPU, as PackedBlocks.to)."""
-    return (t.pin_memory() if on_cuda(device) else t).to(device, non_blocking=True)
+    return (t.pin_memory() if on_cuda(device) and not t.is_pinned() else t).to(device, non_blocking=True)
+
+
+class DeferredPuts:
+    """A feature cache whose writes never wait for the device: a GPU target's fresh features go to pinned host memory
+    by a non-blocking copy and reach the cache once an event says the copy is done — polled at each lookup, waited for
+    only at close(). Lookups see the writes still in flight. On the CPU a write is immediate."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.pending: list[tuple[str, tuple[torch.Tensor, torch.Tensor], object]] = []
+
+    @property
+    def layer_index(self):
+        return getattr(self.cache, "layer_index", None)
+
+    def get(self, key: str):
+        self.poll()
+        return next((feats for k, feats, _ in self.pending if k == key), None) or self.cache.get(key)
+
+    def put(self, key: str, captured: torch.Tensor, final: torch.Tensor) -> None:
+        if not on_cuda(captured.device):
+            self.cache.put(key, captured.cpu(), final.cpu())
+            return
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     for t in (captured, final))
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((key, host, event))
+
+    def poll(self, wait: bool = False) -> None:
+        keep = []
+        for key, host, event in self.pending:
+            if wait:
+                event.synchronize()
+            if wait or event.query():
+                self.cache.put(key, *host)
+            else:
+                keep.append((key, host, event))
+        self.pending = keep
+
+    def metrics(self) -> dict:
+        return self.cache.metrics() if hasattr(self.cache, "metrics") else {}
+
+    def close(self) -> None:
+        self.poll(wait=True)
 
 
 @torch.no_grad()
@@ -88,17 +133,19 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
     if todo:
         ids, att, lengths = padded_batch([s for _, s in todo])
         att = _to_device(att, device)
-        if len(set(lengths)) > 1 and hasattr(target, "prepare_mask"):  # padded: a mask the target needs not read back
-            att = target.prepare_mask(att)
+        if hasattr(target, "prepare_mask"):  # a mask the target need not read back (padded or not: transformers reads
+            att = target.prepare_mask(att)  # a 2-D mask, or without one the positions, to see whether it can skip it)
         out = target(_to_device(ids, device), att)
         for i, (k, _) in enumerate(todo):
             found[k] = (out.captured[i, : lengths[i]].clone(), out.final_hidden[i, : lengths[i]].clone())
-            if cache is not None:
-                cache.put(k, *(t.cpu() for t in found[k]))
+            if cache is not None:  # a DeferredPuts copies to the host without waiting; other caches take host copies
+                cache.put(k, *(found[k] if isinstance(cache, DeferredPuts) else (t.cpu() for t in found[k])))
     parts = [found[k] for k in keys]
     pick = getattr(cache, "layer_index", None)  # the cache holds more layers than this run reads
     captured = [c if pick is None else c[:, pick] for c, _ in parts]
-    return TargetFeatures(torch.cat([c.to(device) for c in captured]), torch.cat([f.to(device) for _, f in parts]))
+    # cache hits are host tensors: non-blocking copies (pinned on a GPU), as every batch the step reads
+    here = lambda t: t if t.device == device else _to_device(t, device)  # noqa: E731
+    return TargetFeatures(torch.cat([here(c) for c in captured]), torch.cat([here(f) for _, f in parts]))
 
 
 def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int,

@@ -392,6 +392,8 @@ class Trainer:
                               f"in {r.eval.patience} evaluations: stopped at step {self.step} of {r.train.steps}", flush=True)
         finally:
             monitor.close()
+            if hasattr(self.source, "close"):  # cache writes still in flight reach the cache
+                self.source.close()
         summary = {"steps": self.step, "resumed_from": self.resumed_from, "preempted_at": self.preempted_at, "stopped_by": self.stopped_by, "wandb_mode": monitor.wandb_mode, "first": None, "last": None}
         summary.update(compiling.summary(self.fused_loss, self.compiled_drafter))  # train.compile as it ran
         if self.compile_s:

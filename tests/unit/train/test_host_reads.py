@@ -5,6 +5,7 @@ the host; host reads put into the step on purpose are each caught, with their li
 import inspect
 import json
 
+import pytest
 import torch
 
 from dstrain import devices
@@ -111,3 +112,100 @@ def test_megatron_targets_run_on_meta_as_on_cuda(tmp_path):
     # with megatron's CUDA RNG tracker unseeded, every forward on CUDA raises
     unseeded = _meta_targets("--families", "qwen3_moe", "--unseeded")
     assert unseeded.returncode != 0 and "cuda rng state model-parallel-rng is not added" in unseeded.stderr
+
+
+def test_the_whole_step_reads_nothing_from_the_host():
+    """Trainer.train's step as it runs it — the colocated source's packing, loss-chunk plan, copy to the device and
+    target features (transformers target; no cache, the in-memory cache, the on-disk store, each meeting a hit and a
+    miss), then train_step with the optimizer's step — on meta: no host read, transformers' forward included."""
+    from dstrain.testing import meta_trainer as T
+
+    found = {}
+    for cfg, cache in T.whole_step_configs():
+        reads = T.whole_step(cfg, cache)
+        found[f"{cfg.name} cache={cache}"] = reads.report() + reads.known_report()
+    assert len(found) == 6 and not {k: v for k, v in found.items() if v}, found
+
+
+def _plant_item_in_plan(monkeypatch):
+    from dstrain.train import step
+
+    plan = step.plan_vocab_chunks
+
+    def planted(packed, vocab, device="cpu", *a, **k):
+        torch.ones(2, device=device).sum().item()  # planted
+        return plan(packed, vocab, device, *a, **k)
+
+    monkeypatch.setattr(step, "plan_vocab_chunks", planted)
+
+
+def _plant_query_every_step(monkeypatch):
+    from dstrain.train import losses
+
+    monkeypatch.setattr(losses, "gpu_chunk_budget_mb", lambda device: losses._free_cuda_mb(device) / 8)
+
+
+def _plant_packed_copy(non_blocking):
+    def plant(monkeypatch):
+        from dstrain.packing.blocks import PackedBlocks
+
+        def to(self, device):
+            moved = {f: getattr(self, f) for f in self.__dataclass_fields__}
+            return PackedBlocks(**{k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor)  # planted
+                                   else v.map(lambda t: t.to(device, non_blocking=non_blocking))
+                                   if v is not None and not isinstance(v, int) else v for k, v in moved.items()})
+
+        monkeypatch.setattr(PackedBlocks, "to", to)
+    return plant
+
+
+def _plant_cache_copies_as_they_were(monkeypatch):
+    """The cache's copies before the whole-step check: `.cpu()` of every miss, blocking copies of every hit."""
+    from dstrain.train import step
+
+    monkeypatch.setattr(step.DeferredPuts, "put", lambda self, key, c, f: self.cache.put(key, c.cpu(), f.cpu()))
+    monkeypatch.setattr(step, "_to_device", lambda t, device: t.to(device))
+
+
+@pytest.mark.parametrize("plant, cache, kind, site", [
+    (_plant_item_in_plan, "none", "scalar", "tests/unit/train/test_host_reads.py:"),
+    (_plant_query_every_step, "none", "wait", "dstrain/train/losses.py:"),
+    (_plant_packed_copy(False), "none", "blocking", "tests/unit/train/test_host_reads.py:"),
+    (_plant_packed_copy(True), "none", "blocking", "tests/unit/train/test_host_reads.py:"),  # pageable
+    (_plant_cache_copies_as_they_were, "memory", "to-host", "tests/unit/train/test_host_reads.py:"),
+    (_plant_cache_copies_as_they_were, "disk", "blocking", "tests/unit/train/test_host_reads.py:"),
+], ids=["item-in-vocab-plan", "memory-query-every-step", "blocking-batch-copy", "pageable-batch-copy",
+        "cache-miss-cpu-copy", "cache-hit-blocking-copy"])
+def test_planted_defects_in_the_whole_step_are_caught(monkeypatch, plant, cache, kind, site):
+    """Each was outside the recorded step (or stood in for) before the check covered the whole step."""
+    from dstrain.testing import meta_trainer as T
+
+    plant(monkeypatch)
+    reads = T.whole_step(T.whole_step_configs()[0][0], cache).report()
+    assert any(r["kind"] == kind and r["site"].startswith(site) for r in reads), reads
+    if "pageable" in str(reads):
+        assert all("pageable" in r["what"] for r in reads if r["kind"] == "blocking")
+
+
+def test_planted_waits_in_megatron_targets_are_caught_and_filed_as_dstrains(tmp_path):
+    """torch.cuda.synchronize() in MegatronTarget.forward is a wait (the CPU stubs made it a no-op); a float() in
+    dstrain's V4 router, called from megatron's MoE layer, is dstrain's read, not megatron's."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "planted.json"
+    plants = ROOT / "tests" / "unit" / "train" / "host_read_plants.py"
+    proc = subprocess.run([sys.executable, "-m", "dstrain.testing.meta_targets", "--families", "qwen3_moe,deepseek_v4",
+                           "--plant", str(plants), "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "DSTRAIN_PLANT": "sync,router-float"})
+    assert out.is_file(), proc.stderr[-3000:]
+    results = {r["family"]: r for r in json.loads(out.read_text())}
+    planted = "tests/unit/train/host_read_plants.py:"
+    for fam in ("qwen3_moe", "deepseek_v4"):
+        assert any(r["kind"] == "wait" and r["site"].startswith(planted) for r in results[fam]["reads"]), results[fam]
+    v4 = results["deepseek_v4"]
+    assert any(r["kind"] == "scalar" and r["site"].startswith(planted) for r in v4["reads"]), v4
+    assert not any(planted in m["site"] or "scalar" == m["kind"] and "router" in m["site"] for m in v4["megatron_reads"])
