@@ -3,6 +3,9 @@
 A checkpoint is staged in `ckpt/.tmp-step-N/`, listed with every file's size and SHA-256 (plus step, world layout
 and data position) in `manifest.json`, written last, then renamed to `ckpt/step-N`; `ckpt/latest` is replaced
 atomically afterwards, so a kill at any moment leaves the previous checkpoint or the new one, never half of one.
+Every drafter rank leaves a receipt (the step it saved, the SHA-256 of the files it wrote) in `ranks/`; the manifest
+is only written when every rank's receipt for the same step is there, and loading checks them again, so a save that
+some rank did not finish (a peer died) is refused, never taken whole.
 Loading verifies the manifest; a damaged checkpoint is reported in one line, moved to `ckpt/rejected/`, and the
 newest older good one is used. The client state holds the step, the loader position and every RNG, so a resumed
 run continues exactly where the saved one was. Details: dstrain/runtime/README.md.
@@ -26,7 +29,8 @@ import torch.distributed as dist
 from dstrain.errors import UserError
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: "ranks" and a receipt per drafter rank in RANKS/ (version 1 manifests have neither)
+RANKS = "ranks"  # ranks/rank-R.json: rank R finished its part of the save (its step, its files' SHA-256)
 MISSING = "is missing"
 REJECTED = "rejected"  # damaged checkpoints moved aside: not named step-*, so never selected, pruned or counted
 
@@ -54,17 +58,86 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: Path, step: int, world: dict, data: dict, architecture: dict | None = None) -> dict:
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    man = {"version": MANIFEST_VERSION, "step": step, "world": world, "data": data,
-           "architecture": architecture,  # the recipe keys a resume must keep (train/resume_check.py)
-           "files": {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
-    tmp = folder / f".{MANIFEST}.tmp"
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.parent / f".{path.name}.tmp"
     with open(tmp, "w") as f:
-        json.dump(man, f, indent=1, default=str)
+        json.dump(obj, f, indent=1, default=str)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    os.replace(tmp, path)
+
+
+class IncompleteSave(Exception):
+    """The writer found a save that some drafter rank did not finish: no manifest is written for it."""
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _own_files(engine, staging: Path, tag: str) -> list[Path]:
+    """The files DeepSpeed wrote for this rank, by its own naming: the model states (the ranks that write them) and
+    the rank's ZeRO / bf16 optimizer shard. Anything else (MoE expert files) is hashed by the writer alone."""
+    own = []
+    if getattr(engine, "save_non_zero_checkpoint", False):
+        own.append(Path(engine._get_ckpt_name(str(staging), tag)))
+    if getattr(engine, "save_zero_checkpoint", False):
+        own.append(Path(engine._get_zero_ckpt_name(str(staging), tag)))
+    return own
+
+
+def write_receipt(folder: Path, rank: int, step: int, files: list[Path]) -> None:
+    """Rank `rank` finished writing its part of step `step`: the files it wrote, hashed by the rank itself."""
+    (folder / RANKS).mkdir(parents=True, exist_ok=True)
+    _write_json(folder / RANKS / f"rank-{rank}.json",
+                {"rank": rank, "step": step, "files": {str(p.relative_to(folder)): _sha256(p) for p in files}})
+
+
+def _receipt(folder: Path, rank: int) -> dict:
+    return json.loads((folder / RANKS / f"rank-{rank}.json").read_text())
+
+
+def ranks_problem(folder: Path, man: dict) -> str | None:
+    """None when every drafter rank of the world finished its part of the manifest's step, else what is wrong."""
+    ranks, step = man.get("ranks"), man.get("step")
+    if ranks is None:  # version 1: written before receipts (after the same barrier over every drafter rank)
+        return None
+    world = (man.get("world") or {}).get("drafter_ranks", ranks)
+    if ranks != world:  # survivors saving alone would claim a world they are not
+        return f"written by {ranks} of the world's {world} drafter ranks"
+    for rank in range(ranks):
+        if f"{RANKS}/rank-{rank}.json" not in man["files"]:
+            return f"rank {rank}'s receipt is missing (that rank did not finish saving step {step})"
+        receipt = _receipt(folder, rank)
+        if receipt["step"] != step:
+            return f"rank {rank}'s part is from step {receipt['step']}, not step {step} (shards of two saves)"
+        for name, sha in receipt["files"].items():
+            if name not in man["files"]:
+                return f"{name}, saved by rank {rank}, is missing"
+            if man["files"][name]["sha256"] != sha:
+                return f"{name} is not the file rank {rank} saved at step {step} (shards of two saves)"
+    return None
+
+
+def write_manifest(folder: Path, step: int, world: dict, data: dict, architecture: dict | None = None,
+                   ranks: int | None = None) -> dict:
+    """`ranks`: the drafter ranks that saved (checkpoint.save); each must have left its receipt for `step`, else
+    IncompleteSave and no manifest. None: a folder written otherwise (tests, artifacts), no receipts asked for."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    hashed = {}  # each rank hashed its own shards: not read a second time here
+    for rank in range(ranks or 0):
+        if (folder / RANKS / f"rank-{rank}.json").is_file():
+            hashed.update(_receipt(folder, rank)["files"])
+    man = {"version": MANIFEST_VERSION, "step": step, "world": world, "data": data, "ranks": ranks,
+           "architecture": architecture,  # the recipe keys a resume must keep (train/resume_check.py)
+           "files": {(name := str(p.relative_to(folder))): {"bytes": p.stat().st_size,
+                                                            "sha256": hashed.get(name) or _sha256(p)} for p in files}}
+    problem = ranks_problem(folder, man)
+    if problem:
+        raise IncompleteSave(problem)
+    _write_json(folder / MANIFEST, man)
     return man
 
 
@@ -89,7 +162,10 @@ def verify(folder: Path) -> str | None:
             return f"{name} is {size} bytes, the manifest says {want['bytes']} (truncated)"
         if _sha256(f) != want["sha256"]:
             return f"{name} does not match its checksum (altered)"
-    return None
+    try:  # every file is as written: now, was it written by every rank, at the same step?
+        return ranks_problem(folder, man)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"a rank's receipt is unreadable ({type(exc).__name__})"
 
 
 def read_manifest(folder: Path) -> dict:
@@ -123,18 +199,22 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, is_wr
             if _free_bytes(ckpt_dir) >= FULL_BELOW:
                 raise
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
-        _barrier(group)
+        rank, ranks = _rank_and_size(group)
+        write_receipt(staging / tag, rank, step, _own_files(engine, staging, tag))
+        _barrier(group)  # a rank that died can never join it: no manifest without every rank's receipt (twice checked)
         if is_writer:
-            write_manifest(staging / tag, step, world or {}, client_state.get("loader", {}), architecture)
+            write_manifest(staging / tag, step, world or {}, client_state.get("loader", {}), architecture, ranks)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staging / tag, final)
             shutil.rmtree(staging, ignore_errors=True)
             write_latest(ckpt_dir, tag)
+    except IncompleteSave as exc:  # refused, never renamed into place: the previous checkpoint stays the latest
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"cannot write checkpoint {final}: {exc} ({_kept(ckpt_dir)}); rerun to resume") from None
     except OSError as exc:
         full = exc.errno == errno.ENOSPC or _free_bytes(ckpt_dir) < FULL_BELOW
         shutil.rmtree(staging, ignore_errors=True)
-        prev = latest_tag(ckpt_dir)
-        kept = f"the previous checkpoint {ckpt_dir / prev} is intact" if prev else "no earlier checkpoint exists"
+        kept = _kept(ckpt_dir)
         why = "the disk is full" if full else f"{type(exc).__name__}: {exc.strerror or exc}"
         raise UserError(f"cannot write checkpoint {final}: {why} ({kept}); free space under {ckpt_dir} or set"
                         " run.output_dir to a larger disk, then rerun to resume") from None
@@ -143,6 +223,11 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, is_wr
             shutil.rmtree(old, ignore_errors=True)
     _barrier(group)
     return final
+
+
+def _kept(ckpt_dir: Path) -> str:
+    prev = latest_tag(ckpt_dir)
+    return f"the previous checkpoint {ckpt_dir / prev} is intact" if prev else "no earlier checkpoint exists"
 
 
 def write_latest(ckpt_dir: Path, tag: str) -> None:
@@ -161,7 +246,8 @@ def latest_tag(ckpt_dir: Path) -> str | None:
 
 def _reason(problem: str) -> str:
     """A verify() phrase as a short folder-name suffix."""
-    for word, short in (("truncated", "truncated"), ("altered", "altered"), ("is missing", "incomplete"),
+    for word, short in (("truncated", "truncated"), ("altered", "altered"), ("two saves", "mixed-steps"),
+                        ("is missing", "incomplete"), ("drafter ranks", "incomplete"),
                         (f"no {MANIFEST}", "no-manifest")):
         if word in problem:
             return short
@@ -204,11 +290,16 @@ def select(ckpt_dir: Path, say=None, quarantine_damaged: bool = False) -> str | 
     if named is None and not present:
         return None
     order = ([named] if named else []) + [t for t in present if t != named]
+    manifested = [_step_number(t) for t in present if (ckpt_dir / t / MANIFEST).exists()]
     bad = []
     for tag in order:
         folder = ckpt_dir / tag
         problem = MISSING if not folder.is_dir() else verify(folder)
-        if folder.is_dir() and not (folder / MANIFEST).exists() and any(folder.iterdir()):
+        # without a manifest, only a checkpoint older than every manifested one can predate manifests; a newer one
+        # is a partial save (e.g. some ranks' files only) and is refused like any damaged one
+        number = _step_number(tag)
+        before_manifests = not manifested or (number is not None and all(number < step for step in manifested))
+        if folder.is_dir() and not (folder / MANIFEST).exists() and any(folder.iterdir()) and before_manifests:
             say(f"checkpoint {folder} was written before checkpoint manifests: loading it unverified")
             problem = None
         if problem is None:
@@ -222,6 +313,13 @@ def select(ckpt_dir: Path, say=None, quarantine_damaged: bool = False) -> str | 
         bad.append((tag, problem))
     raise UserError(f"no good checkpoint in {ckpt_dir}: " + "; ".join(f"{t}: {p}" for t, p in bad)
                     + f"; restore one, or move {ckpt_dir} away to start over")
+
+
+def _step_number(tag: str) -> int | None:
+    try:
+        return int(tag.split("-")[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def _quarantine_all(ckpt_dir: Path, bad: list, good: str) -> str:
@@ -260,9 +358,15 @@ def verify_checkpoint(folder: Path) -> None:
     if not path.is_file():
         return
     try:
-        files = json.loads(path.read_text())["files"]
-        entries = [{"file": name, "bytes": f["bytes"], "sha256": f["sha256"]} for name, f in files.items()]
+        man = json.loads(path.read_text())
+        entries = [{"file": name, "bytes": f["bytes"], "sha256": f["sha256"]} for name, f in man["files"].items()]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UserError(f"{path}: unreadable ({type(exc).__name__}); load an older checkpoint of the run") from None
     verify_files(folder, entries, what="checkpoint file", listed_in=str(path), cache="user",
                  fix=f"load an older checkpoint of the run, or restore {folder} from a copy")
+    try:  # every file intact; now, every drafter rank's part of one step?
+        problem = ranks_problem(Path(folder), man)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        problem = f"a rank's receipt is unreadable ({type(exc).__name__})"
+    if problem:
+        raise UserError(f"checkpoint {folder} is incomplete: {problem}; load an older checkpoint of the run")

@@ -208,10 +208,12 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(shards, tmp_path)
 @pytest.mark.distributed
 def test_torchrun_max_restarts_resumes_by_itself_and_equals_an_uninterrupted_run(shards, tmp_path):
     """SIGKILL a target rank between checkpoints with `torchrun --max-restarts 1`: the watchers name it and exit,
-    torchrun restarts the group, every rank resumes from the latest good checkpoint (step 10) and the job
-    completes; the losses of steps 11-20 equal an uninterrupted run's exactly (fp32, CPU). The restarted launch uses
-    the c10d rendezvous the Slurm script uses (each attempt a new round on the shared store), the reference the
-    static one."""
+    torchrun restarts the group, every rank resumes from the newest good checkpoint (step-10, or the survivors' save
+    when the SIGTERMed drafters completed one: timing decides) and the job completes; the losses equal an
+    uninterrupted run's exactly (fp32, CPU). The restarted launch uses the c10d rendezvous the Slurm script uses (each
+    attempt a new round on the shared store), the reference the static one."""
+    from dstrain.runtime.checkpoint import read_manifest, verify
+
     extra = ["train.checkpoint_every=10"]
     ref = launch(disagg_args(shards, tmp_path / "ref", 20, *extra))
     _, err = ref.communicate(timeout=300)
@@ -236,16 +238,23 @@ def test_torchrun_max_restarts_resumes_by_itself_and_equals_an_uninterrupted_run
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    said = [line[line.index("dstrain: resumed"):] for line in err.splitlines() if "dstrain: resumed from step " in line]
+    resumed = int(said[0].split()[4]) if said else None
     print(f"restart: rank 3 killed at step {killed_at}; restarted ranks up {restarted - killed:.1f} s later, run complete"
-          f" {time.time() - killed:.1f} s after the kill")
+          f" {time.time() - killed:.1f} s after the kill; resumed from step {resumed}")
     assert proc.returncode == 0, err[-4000:]
     assert 12 <= killed_at < 20 and "exitcode: -9" in err  # the launcher saw it die and restarted the group
     assert int((run / "pids" / "rank-3").read_text()) != pid
-    # a resume from step 10, not a restart at 0 (which would write the same losses and checkpoints): the trainer says
-    # so and step-10 is left as it was. Mutation caught: Trainer.resume() ignoring its checkpoint.
-    assert "dstrain: resumed from step 10 (checkpoint step-10)" in err, err[-4000:]
-    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 10
-    assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints" / "step-10").iterdir()} == step10
+    # a resume, not a restart at 0 (which would write the same losses and checkpoints): the trainer says so, once, and
+    # step-10 is left as it was. Mutation caught: Trainer.resume() ignoring its checkpoint.
+    ckpts = run / "checkpoints"
+    assert len(said) == 1 and said[0] == f"dstrain: resumed from step {resumed} (checkpoint step-{resumed})", err[-4000:]
+    assert 10 <= resumed < 20 and json.loads((run / "summary.json").read_text())["resumed_from"] == resumed
+    assert {p.name: p.stat().st_mtime_ns for p in (ckpts / "step-10").iterdir()} == step10
+    # a verified whole checkpoint (every drafter rank's receipt), the newest: any between it and step-20 was refused
+    assert verify(ckpts / f"step-{resumed}") is None and read_manifest(ckpts / f"step-{resumed}")["ranks"] == 2
+    between = [p for p in [*ckpts.glob("step-*"), *ckpts.glob("rejected/step-*")] if resumed < int(p.name.split("-")[1]) < 20]
+    assert all(verify(p) is not None for p in between), [(p, verify(p)) for p in between]
     got = metrics(run)
     assert sorted(got) == list(range(1, 21))
     assert all(got[s] == reference[s] for s in range(1, 21)), [(s, got[s], reference[s]) for s in got if got[s] != reference[s]]
