@@ -96,7 +96,8 @@ def memory_estimate(recipe: Recipe, sizes: TargetSizes, drafter_params: int, m: 
 
 
 def build_plan(recipe: Recipe) -> Plan:
-    cfg, source = resolve_config(recipe.target)
+    release, source = resolve_config(recipe.target)
+    cfg = release.get_text_config()  # a vision-language release (Kimi K2.x): its text model is the target
     sizes = size_target(cfg)
     check_layout(recipe, sizes)
     from dstrain.runtime.world import layout_of
@@ -107,11 +108,11 @@ def build_plan(recipe: Recipe) -> Plan:
         from dstrain.targets.adapters import adapter_for
         from dstrain.targets.shard_plan import RankCoords
 
-        t, adapter = recipe.world.target, adapter_for(cfg)
-        adapter.check_layout(cfg, t.tp, t.pp, t.ep, t.pipeline_layers)
+        t, adapter = recipe.world.target, adapter_for(release)  # the adapter takes the release's own config
+        adapter.check_layout(release, t.tp, t.pp, t.ep, t.pipeline_layers)
         table = tuple(t.pipeline_layers) if t.pipeline_layers else None
         # tensor/expert rank 0 of each stage: the other ranks of a stage own slices of the same sizes
-        stage_plans = [adapter.rank_plan(cfg, RankCoords(t.tp, 0, t.ep, 0, t.pp, stage, cfg.num_hidden_layers, table))
+        stage_plans = [adapter.rank_plan(release, RankCoords(t.tp, 0, t.ep, 0, t.pp, stage, cfg.num_hidden_layers, table))
                        for stage in range(t.pp)]
         held = max(sum(p.numel for p in plan) for plan in stage_plans)
         load = load_estimate(recipe, stage_plans)
@@ -124,7 +125,7 @@ def build_plan(recipe: Recipe) -> Plan:
     ffn = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", 0) or 0
     return Plan(recipe, source, sizes, list(capture), dparams,
                 memory_estimate(recipe, sizes, dparams, len(capture), held, ffn), step_flops(recipe, cfg, sizes, drafter), load,
-                getattr(drafter, "dims", None), cfg)
+                getattr(drafter, "dims", None), release)
 
 
 def load_estimate(recipe: Recipe, stage_plans: list) -> dict[str, int] | None:

@@ -22,6 +22,7 @@ ADAPTERS: dict[str, str] = {
     "qwen3_moe": GPT,
     "deepseek_v3": "dstrain.families.deepseek_v3.target:ADAPTER",
     "deepseek_v4": "dstrain.families.deepseek_v4.target:ADAPTER",  # its own megatron model (deepseek_v4/model.py)
+    "kimi_k25": "dstrain.families.kimi_k2.target:ADAPTER",  # Kimi K2.5 / K2.6: V3's model on the composite's text_config
 }
 
 
@@ -38,3 +39,11 @@ def adapter_for(cfg_or_model_type):
     module, _, attr = ADAPTERS[kind].partition(":")
     obj = importlib.import_module(module)
     return getattr(obj, attr) if attr else obj
+
+
+def checkpoint_key(cfg, key: str) -> str:
+    """A text model's checkpoint key (model.embed_tokens.weight, lm_head.weight) as this config's family spells it in
+    its release: the adapter's `checkpoint_key` where it has one (a composite release nests the text model), else as is."""
+    if cfg.model_type not in ADAPTERS:
+        return key
+    return getattr(adapter_for(cfg), "checkpoint_key", lambda k: k)(key)

@@ -4,8 +4,9 @@ The safetensors headers are parsed here and tensor bytes fetched with positioned
 mmap of whole files, no safe_open.get_tensor), so a rank's resident memory grows by its own parameters plus one
 bounded chunk, and `bytes_read` counts exactly what left the disk. Dim-0 slices are one byte range; column slices
 stream whole rows in chunks and keep the owned columns. Block-quantised FP8 (`weight_scale_inv` or V4-Flash's ue8m0
-`scale`) and FP4-packed experts are dequantised slice by slice in fp32, as transformers does; a weight is
-dequantised iff its shard holds a scale companion. Details: dstrain/targets/README.md.
+`scale`), FP4-packed experts and compressed-tensors' INT4 `weight_packed` (Kimi K2.x's experts, compressed_tensors.py)
+are dequantised slice by slice in fp32; a weight is dequantised iff its shard holds a scale companion. Details:
+dstrain/targets/README.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import UserError
+from dstrain.targets import compressed_tensors
 from dstrain.targets.shard_plan import Read
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -31,7 +33,7 @@ SCALE_SUFFIXES = (".weight_scale_inv", ".scale")  # transformers renames V4-Flas
 # (no "model." prefix, `embed`, `hc_head_fn`: transformers' conversion_mapping "deepseek_v4"). A key absent from the
 # checkpoint is looked up under these variants, first match wins.
 KEY_VARIANTS = (("model.embed_tokens.", "embed."), ("model.hc_head.hc_", "hc_head_"), ("model.", ""))
-QUANT_METHODS = ("fp8",)
+QUANT_METHODS = ("fp8", compressed_tensors.METHOD)
 FP4_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
@@ -79,12 +81,15 @@ class CheckpointReader:
 
     def _quant_config(self) -> dict:
         path = self.folder / "config.json"
-        q = (json.loads(path.read_text()).get("quantization_config") if path.is_file() else None) or {}
+        cfg = json.loads(path.read_text()) if path.is_file() else {}
+        # a composite (vision + text) config may carry it in its text_config
+        q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
         method = q.get("quant_method")
         if q and method not in QUANT_METHODS:
             raise UserError(f"checkpoint {self.folder}: quantization_config.quant_method={method!r} is not supported "
-                            f"(readable: {', '.join(QUANT_METHODS)} with block scales); dequantise it first")
-        if q.get("fmt", "e4m3") != "e4m3":
+                            f"(readable: {', '.join(QUANT_METHODS)}); dequantise it first")
+        self.int4_group = compressed_tensors.group_size(q, self.folder) if method == compressed_tensors.METHOD else None
+        if method == "fp8" and q.get("fmt", "e4m3") != "e4m3":
             raise UserError(f"checkpoint {self.folder}: fp8 fmt={q['fmt']!r} is not supported (e4m3 only)")
         return q
 
@@ -121,6 +126,8 @@ class CheckpointReader:
         for plan_prefix, disk_prefix in KEY_VARIANTS:
             if key.startswith(plan_prefix) and disk_prefix + key[len(plan_prefix):] in self._where:
                 return disk_prefix + key[len(plan_prefix):]
+        if key.endswith(".weight") and self.int4_group:  # compressed-tensors stores X.weight as X.weight_packed
+            return self._resolve(key + "_packed")
         return None
 
     def __contains__(self, key: str) -> bool:
@@ -139,18 +146,26 @@ class CheckpointReader:
         if not key.endswith(".weight"):
             return None
         base = key[: -len(".weight")]
+        if (self._resolve(key) or "").endswith(".weight_packed"):
+            return self.entry(base + ".weight_scale")
         for suffix in SCALE_SUFFIXES:
             if base + suffix in self:
                 return self.entry(base + suffix)
         return None
 
-    def _fp4(self, e: Entry, r: Read) -> bool:
-        return e.dtype in (torch.int8, torch.uint8) and len(r.shape) == 2 and r.shape[1] == 2 * e.shape[1]
+    @staticmethod
+    def _per_element(e: Entry, r: Read) -> int:
+        """Values per stored element of a quantised weight: 2 for FP4 bytes, 8 for INT4 int32 words, else 1."""
+        if len(r.shape) != 2 or len(e.shape) != 2:
+            return 1
+        n = 8 if e.dtype == torch.int32 else 2 if e.dtype in (torch.int8, torch.uint8) else 1
+        return n if n == 8 or r.shape[1] == n * e.shape[1] else 1  # INT4 words are never anything else
 
     def _checked(self, r: Read) -> tuple[Entry, Entry | None, tuple[int, int] | None]:
         """(weight entry, scale entry, block) after checking the Read against the file."""
         e, s = self.entry(r.key), self._scale(r.key)
-        logical = (e.shape[0], 2 * e.shape[1]) if s is not None and self._fp4(e, r) else e.shape
+        per = self._per_element(e, r) if s is not None else 1
+        logical = (e.shape[0], per * e.shape[1]) if per > 1 else e.shape
         if tuple(r.shape) != logical:
             raise UserError(f"checkpoint {self.folder}: {r.key} has shape {list(logical)} on disk but the config implies "
                             f"{list(r.shape)}")
@@ -162,6 +177,14 @@ class CheckpointReader:
             raise UserError(f"checkpoint {self.folder}: {r.key} is quantised with {len(logical)} dims; only 2-D weights are read")
         (R, C), grid = logical, s.shape
         b0, b1 = self.quant.get("weight_block_size") or (128, 128)
+        if e.dtype == torch.int32:  # INT4 words: the group is the config's, checked against the scale grid
+            if not self.int4_group:
+                raise UserError(f"checkpoint {self.folder}: {r.key} is int32 with a scale, but config.json declares no "
+                                f"{compressed_tensors.METHOD} {compressed_tensors.FORMAT} quantization_config")
+            if tuple(grid) != (R, C // self.int4_group):
+                raise UserError(f"checkpoint {self.folder}: {r.key}'s weight_scale is {list(grid)}, but [{R}, {C}] in groups "
+                                f"of {self.int4_group} needs {[R, C // self.int4_group]}")
+            return e, s, (1, self.int4_group)
         if math.prod(grid) == 1:
             block = (R, C)  # one per-tensor scale
         elif tuple(grid) == (-(-R // b0), -(-C // b1)):
@@ -199,7 +222,7 @@ class CheckpointReader:
     def owned_bytes(self, r: Read) -> int:
         """The slice's own bytes on disk (and its blocks' scales): the least any reader could read."""
         e, s, block = self._checked(r)
-        per = e.esize / 2 if s is not None and self._fp4(e, r) else e.esize
+        per = e.esize / (self._per_element(e, r) if s is not None else 1)
         n = int(r.numel * per)
         if s is not None:
             sr = self._scale_read(r, s, block)
@@ -285,15 +308,17 @@ class CheckpointReader:
             return vals.reshape(1, 1), 0, 0
         return vals, (sr.start if sr.dim == 0 else 0), (sr.start if sr.dim == 1 else 0)
 
-    def _decode(self, e: Entry, buf: torch.Tensor, rows: int, fp4: bool) -> torch.Tensor:
-        if fp4:
+    def _decode(self, e: Entry, buf: torch.Tensor, rows: int, per: int) -> torch.Tensor:
+        if per == 8:
+            return compressed_tensors.unpack_int4(buf.view(torch.int32).view(rows, -1)).float()
+        if per == 2:
             u8 = buf.view(rows, -1)
             return torch.stack([FP4_LUT[(u8 & 0xF).long()], FP4_LUT[(u8 >> 4).long()]], -1).reshape(rows, -1)
         return buf.view(e.dtype).view(rows, -1).float()
 
     def _dequant(self, e: Entry, s: Entry, block, r: Read, out: torch.Tensor) -> None:
         (R, C), (b0, b1) = r.shape, block
-        fp4 = self._fp4(e, r)
+        per = self._per_element(e, r)
         scales, sr0, sc0 = self._scales(r, s, block)
         r0, r1 = (r.start, r.stop) if r.dim == 0 else (0, R)
         c0, c1 = (r.start, r.stop) if r.dim == 1 else (0, C)
@@ -303,9 +328,13 @@ class CheckpointReader:
             b = min(r1, a + step_rows)
             buf = torch.empty((b - a) * row_bytes, dtype=torch.uint8)
             self._fetch(e, _bytes_of(buf), a * row_bytes)
-            w = self._decode(e, buf, b - a, fp4)[:, c0:c1].contiguous()
+            w = self._decode(e, buf, b - a, per)[:, c0:c1].contiguous()
             del buf
             per_row = scales.index_select(0, torch.arange(a, b) // b0 - sr0) if scales.shape[0] > 1 else scales
+            if scales.shape[1] > 1 and c0 % b1 == 0 and (c1 - c0) % b1 == 0:  # whole column blocks: one multiply
+                w.view(b - a, -1, b1).mul_(per_row[:, c0 // b1 - sc0:c1 // b1 - sc0, None])
+                out[a - r0:b - r0].copy_(w)
+                continue
             for j in range(c0 // b1, -(-c1 // b1)):  # one column block at a time: no full-size scale tensor
                 lo, hi = max(c0, j * b1) - c0, min(c1, (j + 1) * b1) - c0
                 col = j - sc0 if scales.shape[1] > 1 else 0

@@ -41,7 +41,7 @@ class FrozenParts:
 
 
 def from_target(target) -> FrozenParts:
-    return FrozenParts(target.model.config, target.embedding, target.lm_head, list(target.capture_layers), target.name)
+    return FrozenParts(target.model.config.get_text_config(), target.embedding, target.lm_head, list(target.capture_layers), target.name)
 
 
 def _read(reader, keys: tuple[str, ...], shape: tuple[int, int]) -> torch.Tensor | None:
@@ -55,18 +55,21 @@ def _read(reader, keys: tuple[str, ...], shape: tuple[int, int]) -> torch.Tensor
 
 def load_frozen_parts(target_cfg, seed: int) -> FrozenParts:
     from dstrain.targets import checkpoint_folder
+    from dstrain.targets.adapters import checkpoint_key
     from dstrain.targets.checkpoint import CheckpointReader
     from dstrain.targets.configs import load_config
 
     dtype = DTYPES[target_cfg.dtype]
     folder = Path(checkpoint_folder(target_cfg, seed))  # a random target is written once as a checkpoint
-    config = load_config(folder)
+    release = load_config(folder)
+    config = release.get_text_config()  # a vision-language release (Kimi K2.x): its text model, under the family's keys
+    embed_keys, head_keys = (tuple(checkpoint_key(release, k) for k in keys) for keys in (EMBED_KEYS, HEAD_KEYS))
     shape = (config.vocab_size, config.hidden_size)
     with CheckpointReader(folder, dtype) as reader:  # two tensors read, FP8 dequantised if so stored
-        embed = _read(reader, EMBED_KEYS, shape)
+        embed = _read(reader, embed_keys, shape)
         if embed is None:
-            raise UserError(f"target.path {folder}: no embedding tensor ({' / '.join(EMBED_KEYS)}) in its safetensors")
-        head = None if getattr(config, "tie_word_embeddings", False) else _read(reader, HEAD_KEYS, shape)
+            raise UserError(f"target.path {folder}: no embedding tensor ({' / '.join(embed_keys)}) in its safetensors")
+        head = None if getattr(config, "tie_word_embeddings", False) else _read(reader, head_keys, shape)
         read = reader.bytes_read
     embedding = nn.Embedding.from_pretrained(embed, freeze=True)
     lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, dtype=dtype).requires_grad_(False)

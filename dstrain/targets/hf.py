@@ -31,7 +31,7 @@ class HFTarget:
     def __init__(self, model: nn.Module, name: str, capture_layers: list[int] | None = None, num_capture: int = 3):
         self.model = model.eval().requires_grad_(False)
         self.name = name
-        cfg = model.config
+        cfg = model.config.get_text_config()  # a vision-language release (Kimi K2.x): its text model's sizes
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
@@ -67,7 +67,7 @@ class HFTarget:
         (masking_utils._ignore_causal_mask_sdpa): a wait for the device on every target forward. A prepared mask is
         used as it is, so this applies only where it is what transformers would build: SDPA attention, full causal
         attention in every layer (no sliding windows), the families below; else the mask is returned unchanged."""
-        cfg = self.model.config
+        cfg = self.model.config.get_text_config()
         full = getattr(cfg, "sliding_window", None) is None or getattr(cfg, "use_sliding_window", True) is False
         full = full and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"]))
         if not (full and cfg.model_type in PREPARED_MASK_FAMILIES and cfg._attn_implementation == "sdpa"
@@ -102,14 +102,18 @@ class HFTarget:
 
 
 def load_hf_model(folder: str | Path, dtype: str = "float32") -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    """A causal LM, or a vision-language release whose text model is one (Kimi K2.x): HFTarget runs its decoder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise UserError(f"target.path {folder}: no config.json there (expected a Hugging Face model folder)")
     try:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
-    except (OSError, ValueError) as exc:
+        kind = type(AutoConfig.from_pretrained(folder))
+        auto = AutoModelForImageTextToText if kind not in AutoModelForCausalLM._model_mapping \
+            and kind in AutoModelForImageTextToText._model_mapping else AutoModelForCausalLM
+        return auto.from_pretrained(folder, dtype=DTYPES[dtype])
+    except (OSError, ValueError, ImportError) as exc:
         raise UserError(f"target.path {folder}: cannot load the model ({str(exc).splitlines()[0]})") from None
 
 

@@ -43,9 +43,10 @@ class MegatronTarget:
         seed_rng_tracker(self.device, groups, seed)
         cpu_compat.apply(self.device)  # on the CPU, current_device() answers "cpu": p2p buffers follow the model
         mcore_patches.apply_without_te()
-        adapter = adapter_for(cfg)
-        self.name, self.hidden_size, self.vocab_size = name, cfg.hidden_size, cfg.vocab_size
-        self.num_layers = cfg.num_hidden_layers
+        adapter = adapter_for(cfg)  # given the whole config: a composite release's adapter unwraps it itself
+        text = cfg.get_text_config()  # the sizes are the text model's (the config itself but for composites: Kimi K2.x)
+        self.name, self.hidden_size, self.vocab_size = name, text.hidden_size, text.vocab_size
+        self.num_layers = text.num_hidden_layers
         self.capture_layers = resolve_capture_layers(name, self.num_layers, capture_layers, num_capture)
         tp, pp, ep = groups.tp.size(), groups.pp.size(), groups.ep.size()
         adapter.check_layout(cfg, tp, pp, ep, pipeline_layers)
@@ -74,7 +75,7 @@ class MegatronTarget:
             self.model = GPTModel(tcfg, adapter.layer_spec(tcfg, cfg), pre_process=self.first, post_process=self.last,
                                   pg_collection=groups, **adapter.gpt_kwargs(cfg))
         # what a stage sends its successor per token (V4: all n mHC streams), and whether every stage needs the ids
-        self.stage_width = getattr(self.model, "stage_width", cfg.hidden_size)
+        self.stage_width = getattr(self.model, "stage_width", text.hidden_size)
         self.ids_everywhere = getattr(self.model, "needs_input_ids", False)
         self.readout = getattr(self.model, "readout", None)  # V4: a captured layer's feature, the mean of its streams
         self.model.to(self.device)  # no-op for megatron's own parameters; moves any a family module made on the CPU

@@ -1,5 +1,5 @@
-"""Tiny checkpoints for tests and benches: a small config per family, a released DSpark drafter inside a V4
-checkpoint, and a word-level tokenizer so a recipe can point at the folder."""
+"""Tiny checkpoints for tests and benches: a small config per family, Kimi K2.5's release layout (INT4 experts), a
+released DSpark drafter inside a V4 checkpoint, and a word-level tokenizer so a recipe can point at the folder."""
 
 from __future__ import annotations
 
@@ -32,6 +32,23 @@ FAMILIES = {
                         rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}),
 }
 SINGLE_FILE = {"smollm2_moe"}
+# Kimi K2.5 / K2.6 (transformers' kimi_k25): a composite config, not built by AutoModelForCausalLM, written by
+# write_kimi_k25. Every feature of its text model on, at K2's choices: MLA with a q LoRA, sigmoid noaux_tc routing
+# with e_score_correction_bias over one group (n_group 1), routed + shared experts, the first layer dense, yarn with
+# K2's beta_fast = beta_slow = 1; v_head_dim ≠ hidden/heads; hidden and moe_intermediate_size two INT4 groups wide.
+KIMI_K25 = dict(
+    model_type="kimi_k25", tie_word_embeddings=False, projection_hidden_size=16,
+    text_config=dict(model_type="deepseek_v3", intermediate_size=48, moe_intermediate_size=64, n_routed_experts=8,
+                     num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, n_group=1, topk_group=1,
+                     routed_scaling_factor=2.827, norm_topk_prob=True, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                                      "original_max_position_embeddings": 8, "beta_fast": 1.0, "beta_slow": 1.0,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0},
+                     **{**SMALL, "hidden_size": 64, "num_key_value_heads": 4}),
+    vision_config=dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+                       num_hidden_layers=1, hidden_size=16, intermediate_size=32))
+INT4_GROUP = 32  # Kimi K2.x's experts: compressed-tensors pack-quantized, one scale per 32 input columns
 
 
 def family_config(family: str | None = None, config: dict | None = None) -> dict:
@@ -100,3 +117,95 @@ def write_tokenizer(folder: str | Path, vocab_size: int) -> str:
     tok.save_pretrained(folder)
     return tokenizer_fingerprint(tok)
 
+
+
+def kimi_k25_model(config: dict | None = None, seed: int = 0, widen: float = 1.0, bias: float = 0.0):
+    """A random transformers Kimi_K25ForConditionalGeneration (fp32): 2-D weights × `widen`, and a random
+    e_score_correction_bias of std `bias` (0: transformers' zeros), so routing is not plain sigmoid top-k."""
+    from transformers import AutoModelForImageTextToText
+
+    from dstrain.targets.configs import config_from_dict
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config_from_dict(config or KIMI_K25)).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(widen) if p.dim() == 2 else None
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * bias)
+    return model
+
+
+def _release_state(model) -> dict[str, torch.Tensor]:
+    """Kimi K2.x's release names for transformers' module names (the inverse of its conversion mapping "kimi_k25"
+    for the text model): language_model.model.* and language_model.lm_head.weight, routed experts one by one.
+    The vision tower and projector keep transformers' own names under vision_tower.* / mm_projector.* (no target
+    reads them; their exact release spelling is not reproduced)."""
+    out = {}
+    for key, t in model.state_dict().items():
+        if key.startswith("model.language_model."):
+            name = "language_model.model." + key[len("model.language_model."):]
+            if name.endswith(".mlp.experts.gate_up_proj"):  # [E, 2F, d]: gate rows, then up rows
+                F = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[name[: -len("gate_up_proj")] + f"{e}.gate_proj.weight"] = t[e, :F]
+                    out[name[: -len("gate_up_proj")] + f"{e}.up_proj.weight"] = t[e, F:]
+            elif name.endswith(".mlp.experts.down_proj"):  # [E, d, F]
+                for e in range(t.shape[0]):
+                    out[name[: -len("down_proj")] + f"{e}.down_proj.weight"] = t[e]
+            else:
+                out[name] = t
+        elif key.startswith("lm_head."):
+            out["language_model." + key] = t
+        else:
+            out[key[len("model."):] if key.startswith("model.") else key] = t
+    return out
+
+
+def write_kimi_k25(out: str | Path, model, *, int4: bool = True, group: int = INT4_GROUP, shards: int = 2) -> Path:
+    """`model` (kimi_k25_model) in Kimi K2.x's release layout: `_release_state`'s names in `shards` safetensors files
+    with an index, config.json, and (int4) the routed experts as compressed-tensors pack-quantized INT4 (weight_packed,
+    bf16 weight_scale, weight_shape) with the release's quantization_config; the rest as the model holds it. With int4
+    the model's own experts are replaced by their INT4 values (q · scale, exact in fp32), so that `model` is the
+    reference the folder holds."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dstrain.targets import compressed_tensors as ct
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = _release_state(model)
+    tensors = {}
+    with torch.no_grad():
+        for key, t in state.items():
+            if int4 and ".mlp.experts." in key:
+                packed, scale, shape = ct.quantise_int4(t, group)
+                t.copy_(ct.dequantise_int4(packed, scale, t.shape[1]))  # a view of the model's expert tensor
+                base = key[: -len("weight")]
+                tensors.update({base + "weight_packed": packed, base + "weight_scale": scale, base + "weight_shape": shape})
+            else:
+                tensors[key] = t.detach().clone().contiguous()
+    keys = sorted(tensors)
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {k: files[i * shards // len(keys)] for i, k in enumerate(keys)}
+    for f in files:
+        save_file({k: tensors[k] for k in keys if weight_map[k] == f}, out / f, metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=2))
+    config = model.config.to_dict()
+    if int4:  # as Kimi K2.x ships it: weight-only, symmetric, per group; everything but the routed experts ignored
+        config["quantization_config"] = {
+            "quant_method": ct.METHOD, "format": ct.FORMAT, "quantization_status": "compressed", "kv_cache_scheme": None,
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                          "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                      "group_size": group, "dynamic": False, "actorder": None,
+                                                      "observer": "minmax"}}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                       "re:vision_tower.*", "re:mm_projector.*"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+    return out
