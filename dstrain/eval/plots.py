@@ -10,6 +10,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def save(fig, path: Path, *axes) -> Path:
+    """Grid and legend on `axes`, then the figure written as a PNG and closed: every plot's last lines."""
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def acceptance_curves(results: dict, out: Path) -> Path:
     domains = sorted({d for r in results["drafters"].values() for d in r["domains"]})
     fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.4), squeeze=False, sharey=True)
@@ -86,18 +97,10 @@ def serving(curves: dict[str, list[dict]], out: Path) -> None:
     for label, pts in curves.items():
         ax.plot([p["per_user_tps"] for p in pts], [p["aggregate_tps"] for p in pts], "o-", markersize=3, label=label)
     ax.set(xlabel="per-user tokens / s", ylabel="aggregate tokens / s", title="Throughput vs interactivity")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "pareto.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "pareto.png", ax)
     fig, ax = plt.subplots(figsize=(5.6, 4.0))
     for label, pts in curves.items():
         ax.plot([p["concurrency"] for p in pts], [p["verify_budget"] for p in pts], "o-", markersize=3, label=label)
     ax.set(xscale="log", xlabel="concurrent requests R", ylabel="verified draft tokens / request / step",
            title="Verification budget vs concurrency")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "budget.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "budget.png", ax)

@@ -126,10 +126,9 @@ def markdown(res: dict) -> str:
 
 
 def plots(res: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from dstrain.eval.plots import save  # sets the Agg backend
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     styles = ["-", "--", ":", "-."]
@@ -142,11 +141,7 @@ def plots(res: dict, out: Path) -> None:
         ax.plot(x, [p["macro_tau"] for p in pts], style, marker="o", color=color, label=f"{r['label']} seed {r['seed']}")
         ax.fill_between(x, [p["lo"] for p in pts], [p["hi"] for p in pts], color=color, alpha=0.10)
     ax.set(xlabel="epoch", ylabel="held-out macro τ (curve subset, T = 1)", title="Held-out τ during training")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "learning_curves.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "learning_curves.png", ax)
 
     temps = res["temperatures"]
     fig, axes = plt.subplots(1, len(temps), figsize=(5.0 * len(temps), 3.6), squeeze=False)
@@ -174,8 +169,4 @@ def plots(res: dict, out: Path) -> None:
                     color=f"C{PAPER_FAMILIES.index(fam)}", label=f["label"])
         ax.set_yscale("log")
         ax.set(xlabel="draft position k", ylabel="share of rounds verifying position k", title=T_LABEL[temp])
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "positions.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "positions.png", *axes[0])
