@@ -6,8 +6,7 @@ from pathlib import Path
 
 from dstrain.reproduce.paper import PAPER_FAMILIES
 from dstrain.reproduce.paper_record import PROTOCOL_SEED
-from dstrain.reproduce.paper_stats import DEEP_POSITION
-from dstrain.reproduce.paper_table import T_LABEL
+from dstrain.reproduce.paper_stats import DEEP_POSITION, T_LABEL
 from dstrain.reproduce.report import BENCH
 
 

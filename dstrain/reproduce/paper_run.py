@@ -73,7 +73,7 @@ def run_paper(args) -> int:
 
     from dstrain.data import corpus
     from dstrain.config.schema import load_recipe
-    from dstrain.reproduce import paper as PP, paper_record, paper_table, stages as S
+    from dstrain.reproduce import paper as PP, paper_record, paper_stats, paper_table, stages as S
     from dstrain.reproduce.out_lock import hold_out_folder
     from dstrain.targets import target_folder
 
@@ -115,7 +115,7 @@ def run_paper(args) -> int:
         if record_to is not None:
             shutil.copyfile(path, record_to / path.name)
         parts = paper_table.assemble([{**record, "_path": str(path)}], args.bootstrap)["runs"][name]["by_t"]
-        taus = "; ".join(f"{paper_table.T_LABEL[t]} {p['macro']['tau']:.3f} [{p['macro']['lo']:.3f}, {p['macro']['hi']:.3f}]"
+        taus = "; ".join(f"{paper_stats.T_LABEL[t]} {p['macro']['tau']:.3f} [{p['macro']['lo']:.3f}, {p['macro']['hi']:.3f}]"
                          for t, p in parts.items())
         print(f"  {name}: benchmark macro τ at {taus}; record {path}{f' (copied to {record_to})' if record_to else ''}; "
               f"{S.fmt_s(time.perf_counter() - t0)} this run", flush=True)

@@ -11,6 +11,7 @@ import math
 # accepted), a test measures position 1 and cannot speak to that claim.
 DEEP_POSITION = 4
 MIN_DEEP_SHARE = 0.10
+T_LABEL = {"1": "T = 1 (sampled)", "0": "T = 0 (greedy)"}  # a record's evaluations, keyed by temperature
 
 
 def t_quantile(p: float, df: int) -> float:

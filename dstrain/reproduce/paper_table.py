@@ -22,7 +22,6 @@ from dstrain.reproduce.report import BENCH
 REFERENCE = "dspark-markov"
 # The paper's headline (Table 1, offline, γ = 7, Qwen3 targets): DSpark's τ over each baseline's, as a relative gain
 PAPER_CLAIMS = {"dflash": (0.16, 0.18), "eagle3": (0.27, 0.31)}
-T_LABEL = {"1": "T = 1 (sampled)", "0": "T = 0 (greedy)"}
 
 
 def verdict(v: dict, claim: tuple[float, float], seeds: int) -> str:
