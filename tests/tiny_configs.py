@@ -28,6 +28,27 @@ def stage_diff(tgt, ref, capture: list[int]) -> tuple[float, float, int]:
     return diff, scale, compared
 
 
+def layer_diffs(tgt, ref, capture: list[int]):
+    """max |Δ| per captured layer and for the final states (the last column), where this rank holds them (-1 elsewhere:
+    after per_rank's gather, a column no rank held stays -1, which the tests catch)."""
+    import torch
+
+    out = torch.full((len(capture) + 1,), -1.0)
+    for j, layer in enumerate(tgt.local_layers):
+        col = capture.index(layer)
+        out[col] = (tgt.local_captured[:, :, j] - ref.captured[:, :, col]).abs().max()
+    if tgt.final_hidden is not None:
+        out[-1] = (tgt.final_hidden - ref.final_hidden).abs().max()
+    return out
+
+
+def per_layer_report(layers, names: list[str], capture: list[int]) -> dict:
+    """{layout: {captured layer or "final": the worst max |Δ| over ranks}} from per_rank of [layouts, layers + 1]."""
+    worst = layers.amax(0)
+    return {n: {("final" if j == len(capture) else str(capture[j])): worst[i, j].item() for j in range(len(capture) + 1)}
+            for i, n in enumerate(names)}
+
+
 def per_rank(mine, world: int):
     """Each rank's tensor `mine` (zeros where it took no part), gathered: [world, *mine.shape]."""
     import torch

@@ -23,6 +23,7 @@ ADAPTERS: dict[str, str] = {
     "deepseek_v3": "dstrain.families.deepseek_v3.target:ADAPTER",
     "deepseek_v4": "dstrain.families.deepseek_v4.target:ADAPTER",  # its own megatron model (deepseek_v4/model.py)
     "kimi_k25": "dstrain.families.kimi_k2.target:ADAPTER",  # Kimi K2.5 / K2.6: V3's model on the composite's text_config
+    "gpt_oss": "dstrain.families.gpt_oss.target",  # sinks, alternating windows, clamped SwiGLU, MXFP4 experts
 }
 
 

@@ -4,13 +4,14 @@ The safetensors headers are parsed here and tensor bytes fetched with positioned
 mmap of whole files, no safe_open.get_tensor), so a rank's resident memory grows by its own parameters plus one
 bounded chunk, and `bytes_read` counts exactly what left the disk. Dim-0 slices are one byte range; column slices
 stream whole rows in chunks and keep the owned columns. Block-quantised FP8 (`weight_scale_inv` or V4-Flash's ue8m0
-`scale`), FP4-packed experts and compressed-tensors' INT4 `weight_packed` (Kimi K2.x's experts, compressed_tensors.py)
-are dequantised slice by slice in fp32; a weight is dequantised iff its shard holds a scale companion. Details:
-dstrain/targets/README.md.
+`scale`), FP4-packed experts, compressed-tensors' INT4 `weight_packed` (Kimi K2.x's experts, compressed_tensors.py)
+and MXFP4 `X_blocks` / `X_scales` (gpt-oss's experts) are dequantised slice by slice in fp32; a weight is dequantised
+iff its shard holds a scale companion. Details: dstrain/targets/README.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +34,12 @@ SCALE_SUFFIXES = (".weight_scale_inv", ".scale")  # transformers renames V4-Flas
 # (no "model." prefix, `embed`, `hc_head_fn`: transformers' conversion_mapping "deepseek_v4"). A key absent from the
 # checkpoint is looked up under these variants, first match wins.
 KEY_VARIANTS = (("model.embed_tokens.", "embed."), ("model.hc_head.hc_", "hc_head_"), ("model.", ""))
-QUANT_METHODS = ("fp8", compressed_tensors.METHOD)
+QUANT_METHODS = ("fp8", compressed_tensors.METHOD, "mxfp4")
+# MXFP4 (gpt-oss's experts, transformers' integrations/mxfp4.py): a plan's `X` is stored as X_blocks uint8
+# [..., R, C/32, 16] (two e2m1 codes per byte, the even column in the low nibble) and X_scales uint8 [..., R, C/32]
+# (e8m0: 2^(s-127) per 32 columns). Read as the 2-D [prod(...)·R, C] weight they make (a 3-D [E, R, C] expert stack
+# becomes E·R rows), so a rank's experts are row slices and the FP4 decoding below serves them unchanged.
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 FP4_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
@@ -44,6 +50,7 @@ class Entry:
     shape: tuple[int, ...]
     begin: int  # absolute byte offset in the file
     end: int
+    values: int = 0  # values per element when the format fixes it (MXFP4 blocks: 2); 0: inferred from the shapes
 
     @property
     def esize(self) -> int:
@@ -128,6 +135,8 @@ class CheckpointReader:
                 return disk_prefix + key[len(plan_prefix):]
         if key.endswith(".weight") and self.int4_group:  # compressed-tensors stores X.weight as X.weight_packed
             return self._resolve(key + "_packed")
+        if self.quant.get("quant_method") == "mxfp4" and key + MXFP4_BLOCKS in self._where:
+            return key + MXFP4_BLOCKS
         return None
 
     def __contains__(self, key: str) -> bool:
@@ -140,13 +149,21 @@ class CheckpointReader:
         entry = self._header(self._where[key]).get(key)
         if entry is None:
             raise UserError(f"checkpoint {self.folder}: {key} is listed in the index but absent from {self._where[key]}")
+        if key.endswith((MXFP4_BLOCKS, MXFP4_SCALES)) and len(entry.shape) > 2 and self.quant.get("quant_method") == "mxfp4":
+            blocks = key.endswith(MXFP4_BLOCKS)
+            lead = 2 if blocks else 1  # the trailing dims that make one row's columns
+            entry = dataclasses.replace(entry, shape=(math.prod(entry.shape[:-lead]), math.prod(entry.shape[-lead:])),
+                                        values=2 if blocks else 0)
         return entry
 
     def _scale(self, key: str) -> Entry | None:
+        stored = self._resolve(key) or ""
+        if stored.endswith(MXFP4_BLOCKS):
+            return self.entry(stored[: -len(MXFP4_BLOCKS)] + MXFP4_SCALES)
         if not key.endswith(".weight"):
             return None
         base = key[: -len(".weight")]
-        if (self._resolve(key) or "").endswith(".weight_packed"):
+        if stored.endswith(".weight_packed"):
             return self.entry(base + ".weight_scale")
         for suffix in SCALE_SUFFIXES:
             if base + suffix in self:
@@ -156,6 +173,8 @@ class CheckpointReader:
     @staticmethod
     def _per_element(e: Entry, r: Read) -> int:
         """Values per stored element of a quantised weight: 2 for FP4 bytes, 8 for INT4 int32 words, else 1."""
+        if e.values:
+            return e.values
         if len(r.shape) != 2 or len(e.shape) != 2:
             return 1
         n = 8 if e.dtype == torch.int32 else 2 if e.dtype in (torch.int8, torch.uint8) else 1

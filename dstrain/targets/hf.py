@@ -25,6 +25,14 @@ READOUT_VERSION = 2
 PREPARED_MASK_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
+def full_attention(cfg) -> bool:
+    """Whether every layer of a (text) config attends to its whole causal prefix: no sliding window anywhere."""
+    types = getattr(cfg, "layer_types", None)
+    if types:  # per-layer kinds decide where a config has them (gpt-oss's sliding_window is its sliding layers')
+        return all(t == "full_attention" for t in types)
+    return getattr(cfg, "sliding_window", None) is None or getattr(cfg, "use_sliding_window", True) is False
+
+
 class HFTarget:
     """A frozen transformers causal LM behind the TargetBackend protocol."""
 
@@ -53,9 +61,10 @@ class HFTarget:
     @property
     def masked_cache_ok(self) -> bool:
         """Whether speculative decoding may keep rejected drafts in a DynamicCache behind a 2-D mask
-        (eval/session.py). Not for DeepSeek-V4: its caches slide and compress, so a masked slot would push real
-        ones out of the window and enter the compressed entries; its session recomputes the prefix instead."""
-        return self.model.config.model_type != "deepseek_v4"
+        (eval/session.py). Not where any layer slides a window (DeepSeek-V4, gpt-oss, Mistral): transformers counts a
+        window in cache slots, so masked slots inside it would push real tokens out (and V4's caches also compress
+        them); such a session recomputes the prefix instead."""
+        return full_attention(self.model.config.get_text_config())
 
     @staticmethod
     def _readout(hidden: torch.Tensor) -> torch.Tensor:
@@ -68,9 +77,7 @@ class HFTarget:
         used as it is, so this applies only where it is what transformers would build: SDPA attention, full causal
         attention in every layer (no sliding windows), the families below; else the mask is returned unchanged."""
         cfg = self.model.config.get_text_config()
-        full = getattr(cfg, "sliding_window", None) is None or getattr(cfg, "use_sliding_window", True) is False
-        full = full and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"]))
-        if not (full and cfg.model_type in PREPARED_MASK_FAMILIES and cfg._attn_implementation == "sdpa"
+        if not (full_attention(cfg) and cfg.model_type in PREPARED_MASK_FAMILIES and cfg._attn_implementation == "sdpa"
                 and getattr(cfg, "is_causal", True) and attention_mask.dim() == 2):
             return attention_mask
         t = attention_mask.shape[1]

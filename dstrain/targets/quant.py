@@ -64,6 +64,15 @@ def fp4_blocks(w: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor, t
     return packed.view(torch.int8), scale
 
 
+def mxfp4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's MXFP4 release layout of a 2-D weight [R, C] (rows = outputs): (uint8 blocks [R, C/32, 16], uint8
+    e8m0 scales [R, C/32] = log2(scale) + 127), fp4_blocks' codes and power-of-two scales as transformers'
+    integrations/mxfp4.py reads them."""
+    packed, scale = fp4_blocks(w.contiguous())
+    R, C = w.shape
+    return packed.view(torch.uint8).view(R, C // FP4_GROUP, FP4_GROUP // 2), (scale.log2() + 127).to(torch.uint8)
+
+
 def quantise_fp8(folder: str | Path, block: int | tuple[int, int] = 128, skip: list[str] | None = None,
                  expert_dtype: str | None = None) -> int:
     """Rewrite a saved checkpoint's shards in DeepSeek's FP8 layout; returns the number of weights quantised.

@@ -1,5 +1,6 @@
-"""Tiny checkpoints for tests and benches: a small config per family, Kimi K2.5's release layout (INT4 experts), a
-released DSpark drafter inside a V4 checkpoint, and a word-level tokenizer so a recipe can point at the folder."""
+"""Tiny checkpoints for tests and benches: a small config per family, Kimi K2.5's release layout (INT4 experts),
+gpt-oss's (MXFP4 experts), a released DSpark drafter inside a V4 checkpoint, and a word-level tokenizer so a recipe
+can point at the folder."""
 
 from __future__ import annotations
 
@@ -49,6 +50,18 @@ KIMI_K25 = dict(
     vision_config=dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
                        num_hidden_layers=1, hidden_size=16, intermediate_size=32))
 INT4_GROUP = 32  # Kimi K2.x's experts: compressed-tensors pack-quantized, one scale per 32 input columns
+# gpt-oss with every feature on: sinks, sliding (window 4, shorter than the tests' sequences) / full layers alternating,
+# q/k/v/o, router and expert biases, a SwiGLU clamp the activations reach, YaRN over an original context (64) that
+# puts fractional correction bounds inside head_dim (so `truncate` matters), extended ×32 as the release; head_dim ≠
+# hidden / heads; hidden and intermediate sizes whole MXFP4 blocks (32). Top-4 of 8 experts, as the release picks 4.
+GPT_OSS = dict(model_type="gpt_oss", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_local_experts=8, num_experts_per_tok=4,
+               sliding_window=4, max_position_embeddings=2048, swiglu_limit=1.5, attention_bias=True,
+               tie_word_embeddings=False, rms_norm_eps=1e-5,
+               layer_types=["sliding_attention", "full_attention"] * 2,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+GPT_OSS_UNCONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
 def family_config(family: str | None = None, config: dict | None = None) -> dict:
@@ -172,8 +185,6 @@ def write_kimi_k25(out: str | Path, model, *, int4: bool = True, group: int = IN
     reference the folder holds."""
     import json
 
-    from safetensors.torch import save_file
-
     from dstrain.targets import compressed_tensors as ct
 
     out = Path(out)
@@ -189,14 +200,7 @@ def write_kimi_k25(out: str | Path, model, *, int4: bool = True, group: int = IN
                 tensors.update({base + "weight_packed": packed, base + "weight_scale": scale, base + "weight_shape": shape})
             else:
                 tensors[key] = t.detach().clone().contiguous()
-    keys = sorted(tensors)
-    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
-    weight_map = {k: files[i * shards // len(keys)] for i, k in enumerate(keys)}
-    for f in files:
-        save_file({k: tensors[k] for k in keys if weight_map[k] == f}, out / f, metadata={"format": "pt"})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}, indent=2))
+    _write_shards(out, tensors, shards)
     config = model.config.to_dict()
     if int4:  # as Kimi K2.x ships it: weight-only, symmetric, per group; everything but the routed experts ignored
         config["quantization_config"] = {
@@ -207,5 +211,80 @@ def write_kimi_k25(out: str | Path, model, *, int4: bool = True, group: int = IN
                                                       "observer": "minmax"}}},
             "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
                        "re:vision_tower.*", "re:mm_projector.*"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+    return out
+
+
+def _write_shards(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    """`tensors` in `shards` safetensors files (keys in sorted order) with their model.safetensors.index.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    keys = sorted(tensors)
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {k: files[i * shards // len(keys)] for i, k in enumerate(keys)}
+    for f in files:
+        save_file({k: tensors[k] for k in keys if weight_map[k] == f}, out / f, metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=2))
+
+
+def gpt_oss_model(config: dict | None = None, seed: int = 0):
+    """A random transformers GptOssForCausalLM (fp32) away from its init (std 0.02, zero biases): unit-variance
+    embeddings, weights N(0, 1/fan_in), biases, sinks and norm gains random, so that every feature moves the output."""
+    from transformers import AutoModelForCausalLM
+
+    from dstrain.targets.configs import config_from_dict
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config_from_dict(config or GPT_OSS)).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            fan_in = p.shape[-2] if name.endswith(("gate_up_proj", "down_proj")) else p.shape[-1]
+            if name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("sinks", "router.bias")):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+    return model
+
+
+def write_gpt_oss(out: str | Path, model, *, mxfp4: bool = True, shards: int = 2) -> Path:
+    """`model` (gpt_oss_model) in gpt-oss's release layout: its own key names (the release spells them as transformers
+    does) in `shards` files with an index, config.json, and (mxfp4) the experts as the release ships them — per
+    expert the [outputs, inputs] matrix (gate_up_proj[e].T: interleaved gate/up rows; down_proj[e].T) as
+    `X_blocks` uint8 [E, R, C/32, 16] and `X_scales` uint8 [E, R, C/32], biases beside — with the release's
+    quantization_config. With mxfp4 the model's experts are replaced by their MXFP4 values, so that `model` is the
+    reference the folder holds (transformers' own load of the folder gives it back exactly)."""
+    import json
+
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from dstrain.targets.quant import mxfp4_blocks
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    with torch.no_grad():
+        for key, t in model.state_dict().items():
+            if mxfp4 and key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                pairs = [mxfp4_blocks(t[e].T) for e in range(t.shape[0])]
+                blocks, scales = torch.stack([b for b, _ in pairs]), torch.stack([s for _, s in pairs])
+                tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+                t.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))  # transformers' decoding, HF's [E, C, R]
+            else:
+                tensors[key] = t.detach().clone().contiguous()
+    _write_shards(out, tensors, shards)
+    config = model.config.to_dict()
+    if mxfp4:
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_UNCONVERTED}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
     return out

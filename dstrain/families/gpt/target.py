@@ -6,7 +6,7 @@ Qwen3 (q/k RMSNorm), and the MoE families Mixtral and Qwen3-MoE. The plan names 
 fused [gate; up] per tensor rank, whole experts per expert rank, the embedding by vocabulary rows), except for
 the row-parallel o_proj and down_proj, whose rows are streamed and their columns kept. The LM head is never read.
 Each fused layout: dstrain/families/README.md. This module is the adapter itself (its functions are the protocol's
-methods); adapters.py registers it.
+methods); adapters.py registers it. families/gpt_oss builds on it (check_sizes, config_kwargs, rank_plan's `mlp`).
 """
 
 from __future__ import annotations
@@ -35,13 +35,7 @@ def check_layout(cfg, tp: int, pp: int, ep: int, pipeline_layers=None) -> None:
     if kind not in SUPPORTED:
         raise UserError(f"target.backend=megatron does not build model_type={kind!r} (megatron families: "
                         f"{', '.join(sorted(SUPPORTED))}); use target.backend=hf")
-    kv = cfg.num_key_value_heads
-    for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", kv), ("vocab_size", cfg.vocab_size)):
-        if n % tp:
-            raise UserError(f"world.target.tp={tp} must divide the target's {what} ({n})")
-    check_stages(cfg.num_hidden_layers, pp, pipeline_layers)
-    if kind in MOE and num_experts(cfg) % ep:
-        raise UserError(f"world.target.ep={ep} must divide the target's {num_experts(cfg)} experts")
+    check_sizes(cfg, tp, pp, ep, pipeline_layers, moe=kind in MOE)
     if kind not in MOE and ep != 1:
         raise UserError(f"world.target.ep={ep}: {kind} is dense; set world.target.ep=1")
     if kind == "qwen3_moe" and (getattr(cfg, "mlp_only_layers", []) or getattr(cfg, "decoder_sparse_step", 1) != 1):
@@ -50,6 +44,17 @@ def check_layout(cfg, tp: int, pp: int, ep: int, pipeline_layers=None) -> None:
         raise UserError(f"target.backend=megatron: {kind} with attention_bias (an o_proj bias) is not mapped; use target.backend=hf")
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", kind == "mistral"):
         raise UserError(f"target.backend=megatron: {kind} with a sliding window is not mapped yet; use target.backend=hf")
+
+
+def check_sizes(cfg, tp: int, pp: int, ep: int, pipeline_layers=None, moe: bool = True) -> None:
+    """Heads, KV groups and vocabulary split over tp, layers over the stages, experts over ep."""
+    kv = cfg.num_key_value_heads
+    for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", kv), ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            raise UserError(f"world.target.tp={tp} must divide the target's {what} ({n})")
+    check_stages(cfg.num_hidden_layers, pp, pipeline_layers)
+    if moe and num_experts(cfg) % ep:
+        raise UserError(f"world.target.ep={ep} must divide the target's {num_experts(cfg)} experts")
 
 
 def num_experts(cfg) -> int:
@@ -65,12 +70,17 @@ def _qkv_bias(cfg) -> bool:
 
 
 def transformer_config(cfg, tp: int, pp: int, ep: int, dtype: torch.dtype, pipeline_layers=None):
-    """megatron's TransformerConfig for a transformers config (inference only: no dropout, no fusions). MoE at tp > 1
-    runs sequence parallel: each tensor rank routes its own 1/tp of the tokens, so every expert computes each
-    token once (without it every tensor rank dispatches the same tokens: tp times the expert work)."""
+    """megatron's TransformerConfig for a transformers config (inference only: no dropout, no fusions)."""
     from megatron.core.transformer import TransformerConfig
 
-    moe = cfg.model_type in MOE
+    return TransformerConfig(**config_kwargs(cfg, tp, pp, ep, dtype, pipeline_layers))
+
+
+def config_kwargs(cfg, tp: int, pp: int, ep: int, dtype: torch.dtype, pipeline_layers=None, moe: bool | None = None) -> dict:
+    """TransformerConfig's arguments for a GPT-family config (`moe`: default, the family's). MoE at tp > 1 runs
+    sequence parallel: each tensor rank routes its own 1/tp of the tokens, so every expert computes each token once
+    (without it every tensor rank dispatches the same tokens: tp times the expert work)."""
+    moe = cfg.model_type in MOE if moe is None else moe
     extra = {}
     if moe:
         ffn = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
@@ -78,7 +88,7 @@ def transformer_config(cfg, tp: int, pp: int, ep: int, dtype: torch.dtype, pipel
         extra = dict(num_moe_experts=num_experts(cfg), moe_router_topk=cfg.num_experts_per_tok, moe_ffn_hidden_size=ffn,
                      moe_router_pre_softmax=not renorm, moe_grouped_gemm=False,
                      moe_aux_loss_coeff=0.0, expert_tensor_parallel_size=1, moe_router_dtype="fp32")
-    return TransformerConfig(
+    return dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_key_value_heads, kv_channels=head_dim(cfg), ffn_hidden_size=cfg.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
@@ -123,9 +133,10 @@ def _experts(src: str, cfg) -> tuple[str, str, str, str, str]:
     return src + "mlp.gate.weight", src + "mlp.experts.{e}.{w}.weight", "gate_proj", "up_proj", "down_proj"
 
 
-def rank_plan(cfg, at: RankCoords) -> list[Param]:
-    """Every megatron parameter of this rank, with the published checkpoint slices it is made of."""
-    d, V, E = cfg.hidden_size, cfg.vocab_size, num_experts(cfg)
+def rank_plan(cfg, at: RankCoords, mlp=None) -> list[Param]:
+    """Every megatron parameter of this rank, with the published checkpoint slices it is made of. `mlp(cfg, at, src,
+    dst)`: a layer's parameters beyond its norms and attention projections (default: this family's MLP)."""
+    d, V = cfg.hidden_size, cfg.vocab_size
     nq, hd = cfg.num_attention_heads, head_dim(cfg)
     plan = []
     if at.first:
@@ -141,23 +152,33 @@ def rank_plan(cfg, at: RankCoords) -> list[Param]:
                  Param(sa + "linear_proj.weight", [rows(attn + "o_proj.weight", (d, nq * hd), at.tp, at.tp_rank, dim=1)])]
         if _qkv_bias(cfg):
             plan.append(Param(sa + "linear_qkv.bias", _qkv(attn, "bias", cfg, at), cat0))
+        if getattr(cfg, "attention_bias", False):  # o_proj's bias, whole on every tensor rank (added after the reduce)
+            plan.append(Param(sa + "linear_proj.bias", [full(attn + "o_proj.bias", (d,))]))
         if cfg.model_type in ("qwen3", "qwen3_moe"):
             plan += [Param(sa + "q_layernorm.weight", [full(attn + "q_norm.weight", (hd,))]),
                      Param(sa + "k_layernorm.weight", [full(attn + "k_norm.weight", (hd,))])]
-        if cfg.model_type in MOE:
-            F_ = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-            router, key, gate, up, down = _experts(src, cfg)
-            plan.append(Param(dst + "mlp.router.weight", [full(router, (E, d))]))
-            per = E // at.ep
-            for j in range(per):
-                e = at.ep_rank * per + j
-                mine = dst + f"mlp.experts.local_experts.{j}."
-                plan += [Param(mine + "linear_fc1.weight", [full(key.format(e=e, w=gate), (F_, d)),
-                                                            full(key.format(e=e, w=up), (F_, d))], cat0),
-                         Param(mine + "linear_fc2.weight", [full(key.format(e=e, w=down), (d, F_))])]
-        else:
-            F_, m = cfg.intermediate_size, src + "mlp."
-            plan += [Param(dst + "mlp.linear_fc1.weight", [rows(m + "gate_proj.weight", (F_, d), at.tp, at.tp_rank),
-                                                           rows(m + "up_proj.weight", (F_, d), at.tp, at.tp_rank)], cat0),
-                     Param(dst + "mlp.linear_fc2.weight", [rows(m + "down_proj.weight", (d, F_), at.tp, at.tp_rank, dim=1)])]
+        plan += (mlp or _mlp)(cfg, at, src, dst)
+    return plan
+
+
+def _mlp(cfg, at: RankCoords, src: str, dst: str) -> list[Param]:
+    """A layer's MLP: experts whole per expert rank (with the router), or the dense [gate; up] by tensor rank."""
+    d, E = cfg.hidden_size, num_experts(cfg)
+    plan = []
+    if cfg.model_type in MOE:
+        F_ = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        router, key, gate, up, down = _experts(src, cfg)
+        plan.append(Param(dst + "mlp.router.weight", [full(router, (E, d))]))
+        per = E // at.ep
+        for j in range(per):
+            e = at.ep_rank * per + j
+            mine = dst + f"mlp.experts.local_experts.{j}."
+            plan += [Param(mine + "linear_fc1.weight", [full(key.format(e=e, w=gate), (F_, d)),
+                                                        full(key.format(e=e, w=up), (F_, d))], cat0),
+                     Param(mine + "linear_fc2.weight", [full(key.format(e=e, w=down), (d, F_))])]
+    else:
+        F_, m = cfg.intermediate_size, src + "mlp."
+        plan += [Param(dst + "mlp.linear_fc1.weight", [rows(m + "gate_proj.weight", (F_, d), at.tp, at.tp_rank),
+                                                       rows(m + "up_proj.weight", (F_, d), at.tp, at.tp_rank)], cat0),
+                 Param(dst + "mlp.linear_fc2.weight", [rows(m + "down_proj.weight", (d, F_), at.tp, at.tp_rank, dim=1)])]
     return plan

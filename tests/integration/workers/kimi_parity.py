@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-from tiny_configs import layout_report, per_rank, stage_diff  # noqa: E402
+from tiny_configs import layer_diffs, layout_report, per_layer_report, per_rank, stage_diff  # noqa: E402
 
 from dstrain.runtime.world import Layout, target_process_groups  # noqa: E402
 from dstrain.targets import cpu_compat, mcore_patches  # noqa: E402
@@ -38,17 +38,6 @@ CASES = ["int4_release"]
 
 def ids_batch() -> torch.Tensor:
     return torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1))
-
-
-def per_layer(tgt, ref) -> torch.Tensor:
-    """max |Δ| per captured layer and for the final states, where this rank holds them (-1 elsewhere)."""
-    out = torch.full((len(CAPTURE) + 1,), -1.0)
-    for j, layer in enumerate(tgt.local_layers):
-        col = CAPTURE.index(layer)
-        out[col] = (tgt.local_captured[:, :, j] - ref.captured[:, :, col]).abs().max()
-    if tgt.final_hidden is not None:
-        out[-1] = (tgt.final_hidden - ref.final_hidden).abs().max()
-    return out
 
 
 def sensitivity(hf, original: dict) -> dict:
@@ -92,13 +81,11 @@ def main() -> None:
             tgt = MegatronTarget(hf.config, reader, "kimi", groups, capture_layers=CAPTURE, pipeline_layers=stages)
         tgt(ids)
         result[i, 0] = torch.tensor([*stage_diff(tgt, ref, CAPTURE), 1.0])
-        layers[i] = per_layer(tgt, ref)
+        layers[i] = layer_diffs(tgt, ref, CAPTURE)
         dist.barrier()
     world = dist.get_world_size()
     report.update(layout_report(per_rank(result, world), list(STAGES), CASES))
-    worst = per_rank(layers, world).amax(0)  # -1 where no rank held the layer: caught by the test
-    report["per_layer"] = {n: {("final" if j == len(CAPTURE) else str(CAPTURE[j])): worst[i, j].item()
-                               for j in range(len(CAPTURE) + 1)} for i, n in enumerate(STAGES)}
+    report["per_layer"] = per_layer_report(per_rank(layers, world), list(STAGES), CAPTURE)
     if dist.get_rank() == 0:
         report["sensitivity"] = sensitivity(hf, original)
         print("PARITY " + json.dumps(report), flush=True)
