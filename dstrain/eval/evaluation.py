@@ -26,14 +26,17 @@ class Candidate:
 def run_domain(target, cand: Candidate, prompts: list[list[int]], batch: int, max_new: int, eos: set[int],
                temperature: float, policy: LengthPolicy, seed: int) -> tuple[dict, dict]:
     decoder = SpecDecoder(cand.target or target, cand.drafter, cand.gamma, cand.window, temperature, policy, seed)
-    rounds, seconds, new = [], 0.0, 0
+    rounds, seconds, new, outputs = [], 0.0, 0, []
     for lo in tqdm(range(0, len(prompts), batch), desc=cand.name, unit="batch", leave=False):
         gen = decoder.generate(prompts[lo: lo + batch], max_new, eos)
         seconds, new = seconds + gen.seconds, new + gen.new_tokens
+        outputs += gen.outputs
         if gen.rounds:
             gen.rounds["request"] += lo  # unique per domain, so a request's rounds can be replayed in order
             rounds.append(gen.rounds)
     logs = {k: torch.cat([r[k] for r in rounds]) for k in rounds[0]} if rounds else {}
+    if logs:
+        logs["outputs"] = outputs  # each prompt's generated token ids, in prompt order (the engine check compares them)
     stats = acceptance_stats(logs["proposed"], logs["accepted"], cand.gamma) if logs else {}
     stats.update(tokens_per_s=new / max(seconds, 1e-9), new_tokens=new, seconds=seconds)
     return stats, logs
