@@ -96,7 +96,7 @@ class CheckpointReader:
             raise UserError(f"checkpoint {self.folder}: quantization_config.quant_method={method!r} is not supported "
                             f"(readable: {', '.join(QUANT_METHODS)}); dequantise it first")
         self.int4_group = compressed_tensors.group_size(q, self.folder) if method == compressed_tensors.METHOD else None
-        if method == "fp8" and q.get("fmt", "e4m3") != "e4m3":
+        if method == "fp8" and q.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2 spells the dtype
             raise UserError(f"checkpoint {self.folder}: fp8 fmt={q['fmt']!r} is not supported (e4m3 only)")
         return q
 

@@ -1,0 +1,1 @@
+"""MiniMax-M2 on megatron-core: target.py."""
