@@ -24,6 +24,12 @@ ADAPTERS: dict[str, str] = {
     "deepseek_v4": "dstrain.families.deepseek_v4.target:ADAPTER",  # its own megatron model (deepseek_v4/model.py)
     "kimi_k25": "dstrain.families.kimi_k2.target:ADAPTER",  # Kimi K2.5 / K2.6: V3's model on the composite's text_config
     "gpt_oss": "dstrain.families.gpt_oss.target",  # sinks, alternating windows, clamped SwiGLU, MXFP4 experts
+    "minimax_m2": "dstrain.families.minimax_m2.target",  # whole-projection q/k norm, partial RoPE, sigmoid routing, FP8
+}
+# families megatron-core 0.16.1 cannot build here: "module:function" giving the one-line refusal (the hf backend serves them)
+REFUSED: dict[str, str] = {
+    "qwen3_5_moe": "dstrain.families.qwen3_5_moe.target:refusal",  # Gated DeltaNet needs fla's Triton kernels
+    "qwen3_5_moe_text": "dstrain.families.qwen3_5_moe.target:refusal",
 }
 
 
@@ -34,6 +40,9 @@ def megatron_families() -> list[str]:
 def adapter_for(cfg_or_model_type):
     """The adapter for a transformers config (or a model_type string); one-line UserError if none."""
     kind = cfg_or_model_type if isinstance(cfg_or_model_type, str) else cfg_or_model_type.model_type
+    if kind in REFUSED:
+        module, _, attr = REFUSED[kind].partition(":")
+        raise UserError(getattr(importlib.import_module(module), attr)(kind))
     if kind not in ADAPTERS:
         raise UserError(f"target.backend=megatron does not build model_type={kind!r} (megatron families: "
                         f"{', '.join(megatron_families())}); use target.backend=hf")

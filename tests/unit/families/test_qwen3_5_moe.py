@@ -1,0 +1,111 @@
+"""Qwen3.5-MoE: megatron-core 0.16.1 cannot build its Gated DeltaNet on the CPU (the premise, checked against the
+installed megatron; the megatron backend's one-line refusal naming the missing piece), and the hf backend serves a
+tiny random release (the composite a save_pretrained of Qwen3_5MoeForConditionalGeneration writes) with every
+feature of the family on: HFTarget's captures are transformers' own output_hidden_states."""
+
+import pytest
+import torch
+
+from dstrain.errors import UserError
+from dstrain.targets.configs import config_from_dict
+
+# every feature on: linear / full attention alternating, gated attention output (q_proj is twice the heads), partial
+# interleaved M-RoPE, a conv state (kernel 4, shorter than the tests' sequences), more value than key heads in the
+# linear layers, routed experts with a gated shared expert; a one-block vision tower that a text target never runs
+QWEN3_5_MOE = dict(
+    model_type="qwen3_5_moe", tie_word_embeddings=False,
+    text_config=dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, max_position_embeddings=256, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                     linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                     moe_intermediate_size=24, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                     layer_types=["linear_attention", "full_attention"] * 2, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                      "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+    vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                       temporal_patch_size=2, spatial_merge_size=1, num_position_embeddings=16))
+
+
+def test_megatron_gated_delta_net_needs_fla_here():
+    """The premise of the refusal: 0.16.1's GatedDeltaNet refuses to build without fla (absent: Triton has no CPU
+    backend). If this fails, fla became importable: a megatron port may be possible, revisit qwen3_5_moe/target.py."""
+    from megatron.core.ssm import gated_delta_net
+
+    assert not gated_delta_net.HAVE_FLA and gated_delta_net.chunk_gated_delta_rule is None
+    with pytest.raises(ImportError, match="FLA is not installed"):
+        gated_delta_net.GatedDeltaNet(config=None, submodules=None)
+
+
+@pytest.mark.parametrize("config", [QWEN3_5_MOE, dict(model_type="qwen3_5_moe_text", **QWEN3_5_MOE["text_config"])])
+def test_megatron_backend_refuses_in_one_line(config):
+    from dstrain.targets.adapters import adapter_for, checkpoint_key, megatron_families
+
+    cfg = config_from_dict(config)
+    with pytest.raises(UserError) as err:
+        adapter_for(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.endswith("use target.backend=hf"), msg
+    assert "GatedDeltaNet" in msg and "fla.ops.gated_delta_rule.chunk_gated_delta_rule" in msg, msg
+    assert cfg.model_type not in megatron_families() and checkpoint_key(cfg, "lm_head.weight") == "lm_head.weight"
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config_from_dict(QWEN3_5_MOE)).float().eval()
+    folder = tmp_path_factory.mktemp("qwen3_5_moe")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def test_tiny_release_switches_every_feature_on(release):
+    model, _ = release
+    text = model.model.language_model
+    kinds = [type(getattr(layer, "linear_attn", None) or layer.self_attn).__name__ for layer in text.layers]
+    assert kinds == ["Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeAttention"] * 2
+    attn, gdn = text.layers[1].self_attn, text.layers[0].linear_attn
+    assert attn.q_proj.out_features == 2 * 4 * 8  # [q; output gate] per head
+    assert gdn.conv1d.kernel_size == (4,) and gdn.num_v_heads == 2 * gdn.num_k_heads
+    assert all(hasattr(layer.mlp, "shared_expert_gate") for layer in text.layers)
+
+
+def test_hf_backend_captures_transformers_hidden_states(release):
+    """load_hf_model reads the composite release as its text model; HFTarget's captures at a linear and a full layer
+    and its final states equal transformers' own output_hidden_states of the release model (fp32, exact); a
+    right-padded row captures what it does alone; a session recomputes instead of masking the hybrid cache."""
+    from dstrain.targets.hf import HFTarget, load_hf_model
+
+    model, folder = release
+    loaded = load_hf_model(folder)
+    target = HFTarget(loaded, "qwen3_5_moe", capture_layers=[0, 1, 2])
+    assert (target.hidden_size, target.vocab_size, target.num_layers) == (32, 128, 4)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    out = target(ids)
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_hidden_states=True).hidden_states  # [embeddings, layer 0, …, final norm]
+    for j, layer in enumerate(target.capture_layers):
+        assert torch.equal(out.captured[:, :, j], ref[layer + 1]), layer
+    assert torch.equal(out.final_hidden, ref[-1])
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    padded, alone = target(ids, attention_mask=mask), target(ids[1:, :7])
+    assert (padded.captured[1, :7] - alone.captured[0]).abs().max() <= 1e-6
+    assert not target.masked_cache_ok and target.prepare_mask(mask) is mask
+
+
+def test_dry_run_refuses_megatron_and_plans_hf(release):
+    """`dstrain plan` over the release: a megatron recipe stops at the one line, an hf recipe sizes the text model."""
+    from conftest import ROOT
+    from dstrain.config.schema import load_recipe
+    from dstrain.plan import build_plan
+
+    _, folder = release
+    common = [f"target.path={folder}", "target.hf_config=null", "drafter.mask_token_id=127"]
+    megatron = load_recipe(ROOT / "recipes/qwen3_moe.yaml", common + ["world.target.tp=2", "world.target.pp=2",
+                                                                     "world.target.ep=2", "world.target.dp=1",
+                                                                     "world.drafter_ranks=1", "world.ranks_per_node=null"])
+    with pytest.raises(UserError, match="GatedDeltaNet .*; use target.backend=hf$"):
+        build_plan(megatron)
+    plan = build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml", common + ["target.source=path"]))
+    assert (plan.sizes.hidden_size, plan.sizes.num_layers, plan.sizes.num_experts) == (32, 4, 4)
