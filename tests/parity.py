@@ -1,5 +1,6 @@
 """The parity workers' reports (tests/integration/workers/*_parity.py): one launch and one per-rank check, shared by
-the megatron, DeepSeek-V3 and DeepSeek-V4 parity tests."""
+the megatron, DeepSeek-V3 and DeepSeek-V4 parity tests; the release-layout families' (gpt-oss, MiniMax-M2) shared
+checks: the parity report, the release fixture, one-line refusals, every feature mattering."""
 
 import json
 import os
@@ -27,3 +28,59 @@ def check_ranks(what: str, r: dict, ranks: list[str], tol: float, rank_scale: fl
     for rank, v in r["ranks"].items():
         print(f"  rank {rank}: max |Δ| {v['max_abs_diff']:.2e} over {v['compared']} values (scale {v['scale']:.2f})")
         assert v["compared"] > 0 and v["scale"] > rank_scale and v["max_abs_diff"] < tol, (what, rank, v)
+
+
+def check_release_parity(report: dict, what: str, tol: float) -> None:
+    """A release-layout worker's report (tiny_configs.megatron_parity): megatron-core needed no patch beyond the ones
+    every family gets, every captured layer and the final states of every layout within `tol` (and held by some rank),
+    and every layout and case within `tol` on each of the 4 ranks."""
+    from dstrain.targets import cpu_compat, mcore_patches
+
+    assert report.pop("patches") == list(cpu_compat.PATCHES) + list(mcore_patches.PATCHES)
+    per_layer = report.pop("per_layer")
+    for layout, cases in report.items():
+        print(layout, "per captured layer max |Δ|:", per_layer[layout])
+        assert min(per_layer[layout].values()) >= 0 and max(per_layer[layout].values()) < tol
+        for case, r in cases.items():
+            check_ranks(f"{what} megatron vs transformers, {layout}, {case}", r, ["0", "1", "2", "3"], tol)
+
+
+def tiny_release(folder, model, write) -> tuple:
+    """A family test's `release` fixture: (model, its state before `write` quantised it, the folder written)."""
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    return model, original, write(folder, model)
+
+
+def check_refuses_in_one_line(check_layout, cfg, layout: tuple, match: str) -> None:
+    """check_layout(cfg, *layout) refuses with a one-line UserError matching `match` that names the world.target
+    setting at fault or ends by pointing at the hf backend."""
+    import pytest
+
+    from dstrain.errors import UserError
+
+    with pytest.raises(UserError, match=match) as err:
+        check_layout(cfg, *layout)
+    msg = str(err.value)
+    assert "\n" not in msg and ("world.target" in msg or msg.endswith("use target.backend=hf")), msg
+
+
+def check_every_feature_matters(release: tuple, without, features: list[str], tol: float) -> None:
+    """Each feature, undone in transformers' model alone (`without(model, original, feature)` undoes it in place and
+    returns how to restore it), moves its final pre-LM-head states by far more than the parity tolerance (≥ 100×),
+    and restoring it gives them back exactly."""
+    import torch
+
+    from dstrain.targets.hf import HFTarget
+
+    model, original, _ = release
+    ids = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = HFTarget(model, "m")(ids).final_hidden
+        moved = {}
+        for feature in features:
+            restore = without(model, original, feature)
+            moved[feature] = (HFTarget(model, "m")(ids).final_hidden - ref).abs().max().item()
+            restore()
+            assert torch.equal(HFTarget(model, "m")(ids).final_hidden, ref), feature  # restored exactly
+    print("max |Δ| of the final states without each feature:", {k: f"{v:.3g}" for k, v in moved.items()})
+    assert min(moved.values()) > 100 * tol, moved

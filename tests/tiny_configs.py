@@ -1,4 +1,5 @@
-"""Tiny random configs of the MoE families the backends must serve (shared by tests), and the parity measure.
+"""Tiny random configs of the MoE families the backends must serve (shared by tests), the parity measure, and the
+release-layout parity workers' shared main loop (megatron_parity).
 
 The configs are the tiny-checkpoint writer's own (dstrain/testing/tiny_checkpoints.py), so the tests and the
 tool describe the same models; Qwen3-MoE keeps transformers' default routing here (norm_topk_prob=False).
@@ -73,3 +74,75 @@ def layout_report(ranks, names: list[str], cases) -> dict:
             case["max_abs_diff"] = max(v["max_abs_diff"] for v in case["ranks"].values())
             case["scale"] = max(v["scale"] for v in case["ranks"].values())
     return report
+
+
+PARITY_CAPTURE = [0, 1, 2, 3]
+PARITY_STAGES = {"tp2_ep2_pp2": None, "tp2_ep2_pp2_uneven": [1, 3]}  # layout name: pipeline_layers
+
+
+def parity_ids():
+    """The parity workers' one batch: 3 × 17 token ids below 128, the same on every rank."""
+    import torch
+
+    return torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1))
+
+
+def megatron_parity(prefix: str, hf, family: str, writers: dict, reference=None, config=None, extra=None,
+                    capture: list[int] = PARITY_CAPTURE, stages: dict = PARITY_STAGES, layout=None) -> None:
+    """The main loop of a 4-rank release-layout parity worker (gpt_oss / minimax_m2 / kimi _parity.py).
+
+    Each rank writes its own copy of `hf` once per case (`writers`: case name → writer(folder, hf), called in order
+    before the process group exists; a quantising writer leaves `hf` holding the quantised values), then on gloo
+    builds the HFTarget reference (`reference(folders)`, default `hf` itself) and, per `stages` layout and case, a
+    MegatronTarget of `family` over a CheckpointReader of the case's folder (config: `config(folder)`, default the
+    folder's load_config) at `layout` (default TP=2 × EP=2 × PP=2), runs one forward of parity_ids() and diffs the
+    captured layers and final states. Rank 0 prints one JSON line after "PARITY ": "patches", the shared
+    layout_report per layout and case, "per_layer" (max |Δ| per captured layer and "final" of the first case, per
+    layout), and what `extra()` returns (called on rank 0 only)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from dstrain.runtime.world import Layout, target_process_groups
+    from dstrain.targets import cpu_compat, mcore_patches
+    from dstrain.targets.checkpoint import CheckpointReader
+    from dstrain.targets.configs import load_config
+    from dstrain.targets.hf import HFTarget
+    from dstrain.targets.megatron import MegatronTarget
+
+    cases = list(writers)
+    root = tempfile.mkdtemp(prefix=f"{prefix}{os.environ['RANK']}-")
+    folders = [os.path.join(root, case) for case in cases]
+    for folder, write in zip(folders, writers.values()):
+        write(folder, hf)
+    dist.init_process_group("gloo")
+    report = {"patches": cpu_compat.apply() + mcore_patches.apply()}
+    groups = target_process_groups(layout or Layout(tp=2, pp=2, dp=1, ep=2, drafters=0, disaggregated=True))
+    ids = parity_ids()
+    ref = HFTarget(hf if reference is None else reference(folders), family, capture_layers=capture)(ids)
+    result = torch.zeros(len(stages), len(cases), 4)
+    layers = torch.zeros(len(stages), len(capture) + 1)
+    for i, pipeline_layers in enumerate(stages.values()):
+        for j, folder in enumerate(folders):
+            torch.manual_seed(0)
+            with CheckpointReader(folder, torch.float32) as reader:
+                tgt = MegatronTarget(load_config(folder) if config is None else config(folder), reader, family, groups,
+                                     capture_layers=capture, pipeline_layers=pipeline_layers)
+            tgt(ids)
+            result[i, j] = torch.tensor([*stage_diff(tgt, ref, capture), 1.0])
+            if j == 0:
+                layers[i] = layer_diffs(tgt, ref, capture)
+            dist.barrier()
+    world = dist.get_world_size()
+    report.update(layout_report(per_rank(result, world), list(stages), cases))
+    report["per_layer"] = per_layer_report(per_rank(layers, world), list(stages), capture)
+    if dist.get_rank() == 0:
+        if extra is not None:
+            report.update(extra())
+        print("PARITY " + json.dumps(report), flush=True)
+    dist.destroy_process_group()
+    shutil.rmtree(root, ignore_errors=True)

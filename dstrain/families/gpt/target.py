@@ -6,7 +6,8 @@ Qwen3 (q/k RMSNorm), and the MoE families Mixtral and Qwen3-MoE. The plan names 
 fused [gate; up] per tensor rank, whole experts per expert rank, the embedding by vocabulary rows), except for
 the row-parallel o_proj and down_proj, whose rows are streamed and their columns kept. The LM head is never read.
 Each fused layout: dstrain/families/README.md. This module is the adapter itself (its functions are the protocol's
-methods); adapters.py registers it. families/gpt_oss builds on it (check_sizes, config_kwargs, rank_plan's `mlp`).
+methods); adapters.py registers it. families/gpt_oss builds on it (check_sizes, config_kwargs, rank_plan's `mlp`,
+rope_parameters, not_expressible).
 """
 
 from __future__ import annotations
@@ -20,6 +21,20 @@ from dstrain.targets.shard_plan import Param, RankCoords, Read, cat0, check_stag
 DENSE = {"llama", "mistral", "qwen2", "qwen3"}
 MOE = {"mixtral", "qwen3_moe"}
 SUPPORTED = DENSE | MOE
+
+
+def rope_parameters(cfg) -> dict:
+    """HF's rope_parameters with its defaults filled in (rope_type "default", rope_theta from the config's own)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", None) or cfg.default_theta)
+    return params
+
+
+def not_expressible(family: str, what: str) -> UserError:
+    """The one-line refusal of a family adapter built on this one (`family`: its display name) for `what`."""
+    return UserError(f"target.backend=megatron: {family} with {what} is not expressible in megatron-core 0.16.1; "
+                     "use target.backend=hf")
 
 
 def _rope_theta(cfg) -> float:

@@ -21,6 +21,7 @@ transposed here. What megatron cannot express is refused by check_layout in one 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -31,18 +32,8 @@ from dstrain.targets.shard_plan import Param, RankCoords, Read, full, rows
 MODEL_TYPE = "gpt_oss"
 QUICK_GELU_ALPHA = 1.702  # megatron's quick_gelu: x·σ(1.702·x)
 LAYER_TYPES = ("sliding_attention", "full_attention")
-
-
-def _no(what: str) -> UserError:
-    return UserError(f"target.backend=megatron: gpt-oss with {what} is not expressible in megatron-core 0.16.1; "
-                     "use target.backend=hf")
-
-
-def _rope(cfg) -> dict:
-    params = dict(getattr(cfg, "rope_parameters", None) or {})
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", getattr(cfg, "rope_theta", None) or cfg.default_theta)
-    return params
+_no = partial(gpt.not_expressible, "gpt-oss")
+_rope = gpt.rope_parameters
 
 
 def _mscale(factor: float, m: float = 1.0) -> float:

@@ -19,6 +19,8 @@ router stays fp32. What megatron cannot express is refused by check_layout in on
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from dstrain.errors import UserError
@@ -26,18 +28,8 @@ from dstrain.families.gpt import target as gpt
 from dstrain.targets.shard_plan import Param, RankCoords, cat0, full, rows
 
 MODEL_TYPE = "minimax_m2"
-
-
-def _no(what: str) -> UserError:
-    return UserError(f"target.backend=megatron: MiniMax-M2 with {what} is not expressible in megatron-core 0.16.1; "
-                     "use target.backend=hf")
-
-
-def _rope(cfg) -> dict:
-    params = dict(getattr(cfg, "rope_parameters", None) or {})
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", getattr(cfg, "rope_theta", None) or cfg.default_theta)
-    return params
+_no = partial(gpt.not_expressible, "MiniMax-M2")
+_rope = gpt.rope_parameters
 
 
 def rotary_percent(cfg) -> float:

@@ -12,65 +12,24 @@ the shared layout_report per layout and case, the max |Δ| per captured layer (a
 and the patches applied.
 """
 
-import json
 import os
-import shutil
 import sys
-import tempfile
-
-import torch
-import torch.distributed as dist
+from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-from tiny_configs import layer_diffs, layout_report, per_layer_report, per_rank, stage_diff  # noqa: E402
+from tiny_configs import megatron_parity  # noqa: E402
 
-from dstrain.runtime.world import Layout, target_process_groups  # noqa: E402
-from dstrain.targets import cpu_compat, mcore_patches  # noqa: E402
-from dstrain.targets.checkpoint import CheckpointReader  # noqa: E402
-from dstrain.targets.configs import load_config  # noqa: E402
-from dstrain.targets.hf import HFTarget, load_hf_model  # noqa: E402
-from dstrain.targets.megatron import MegatronTarget  # noqa: E402
+from dstrain.targets.hf import load_hf_model  # noqa: E402
 from dstrain.testing.tiny_checkpoints import gpt_oss_model, write_gpt_oss  # noqa: E402
-
-CAPTURE = [0, 1, 2, 3]
-LAYOUT = Layout(tp=2, pp=2, dp=1, ep=2, drafters=0, disaggregated=True)
-STAGES = {"tp2_ep2_pp2": None, "tp2_ep2_pp2_uneven": [1, 3]}
-CASES = ["mxfp4_release", "save_pretrained"]
 
 
 def main() -> None:
-    # written before the process group exists (each rank its own copy, as the V3 and Kimi workers do)
-    root = tempfile.mkdtemp(prefix=f"gptossparity{os.environ['RANK']}-")
-    folders = [os.path.join(root, case) for case in CASES]
-    hf = gpt_oss_model(seed=7)
-    write_gpt_oss(folders[0], hf)  # hf's experts now hold the MXFP4 values
-    write_gpt_oss(folders[1], hf, mxfp4=False)
-    dist.init_process_group("gloo")
-    report = {"patches": cpu_compat.apply() + mcore_patches.apply()}
-    groups = target_process_groups(LAYOUT)
-    ids = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1))
-    ref = HFTarget(load_hf_model(folders[0]), "gpt-oss", capture_layers=CAPTURE)(ids)
-    result = torch.zeros(len(STAGES), len(CASES), 4)
-    layers = torch.zeros(len(STAGES), len(CAPTURE) + 1)
-    for i, stages in enumerate(STAGES.values()):
-        for j, folder in enumerate(folders):
-            torch.manual_seed(0)
-            with CheckpointReader(folder, torch.float32) as reader:
-                tgt = MegatronTarget(load_config(folder), reader, "gpt-oss", groups, capture_layers=CAPTURE,
-                                     pipeline_layers=stages)
-            tgt(ids)
-            result[i, j] = torch.tensor([*stage_diff(tgt, ref, CAPTURE), 1.0])
-            if j == 0:
-                layers[i] = layer_diffs(tgt, ref, CAPTURE)
-            dist.barrier()
-    world = dist.get_world_size()
-    report.update(layout_report(per_rank(result, world), list(STAGES), CASES))
-    report["per_layer"] = per_layer_report(per_rank(layers, world), list(STAGES), CAPTURE)
-    if dist.get_rank() == 0:
-        print("PARITY " + json.dumps(report), flush=True)
-    dist.destroy_process_group()
-    shutil.rmtree(root, ignore_errors=True)
+    # written before the process group exists (each rank its own copy, as the V3 and Kimi workers do); the first
+    # writer leaves the model's experts holding the MXFP4 values, which the second writes unquantised
+    megatron_parity("gptossparity", gpt_oss_model(seed=7), "gpt-oss",
+                    {"mxfp4_release": write_gpt_oss, "save_pretrained": partial(write_gpt_oss, mxfp4=False)},
+                    reference=lambda folders: load_hf_model(folders[0]))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from parity import check_ranks, parity_report
+from parity import (check_every_feature_matters, check_refuses_in_one_line, check_release_parity, parity_report,
+                    tiny_release)
 from dstrain.errors import UserError
 from dstrain.families.gpt_oss import target as gpt_oss
 from dstrain.targets.checkpoint import CheckpointReader
@@ -118,10 +119,7 @@ def test_registry_answers_for_gpt_oss():
     ({}, (4, 1, 1), "world.target.tp=4 must divide the target's num_key_value_heads \\(2\\)"),
 ])
 def test_check_layout_refuses_in_one_line(change, layout, match):
-    with pytest.raises(UserError, match=match) as err:
-        gpt_oss.check_layout(config_from_dict({**GPT_OSS, **change}), *layout)
-    msg = str(err.value)
-    assert "\n" not in msg and ("world.target" in msg or msg.endswith("use target.backend=hf")), msg
+    check_refuses_in_one_line(gpt_oss.check_layout, config_from_dict({**GPT_OSS, **change}), layout, match)
 
 
 # ---- the release layout and the shard plan ------------------------------------------------------------------
@@ -130,10 +128,7 @@ def test_check_layout_refuses_in_one_line(change, layout, match):
 def release(tmp_path_factory):
     from dstrain.testing.tiny_checkpoints import gpt_oss_model, write_gpt_oss
 
-    model = gpt_oss_model(seed=3)
-    original = {k: v.clone() for k, v in model.state_dict().items()}
-    folder = write_gpt_oss(tmp_path_factory.mktemp("gpt_oss"), model)
-    return model, original, folder
+    return tiny_release(tmp_path_factory.mktemp("gpt_oss"), gpt_oss_model(seed=3), write_gpt_oss)
 
 
 def test_release_is_what_transformers_reads(release):
@@ -261,20 +256,7 @@ FEATURES = ["sinks", "sliding_window", "clamp", "up_plus_one", "attention_biases
 def test_every_feature_moves_the_output_far_past_the_tolerance(release):
     """Each feature of the tiny config, undone in transformers' model alone, moves its final pre-LM-head states by far
     more than the parity tolerance (≥ 100×): the parity test could not pass with any of them mishandled."""
-    from dstrain.targets.hf import HFTarget
-
-    model, original, _ = release
-    ids = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1))
-    ref = HFTarget(model, "o")(ids).final_hidden
-    moved = {}
-    with torch.no_grad():
-        for feature in FEATURES:
-            restore = _without(model, original, feature)
-            moved[feature] = (HFTarget(model, "o")(ids).final_hidden - ref).abs().max().item()
-            restore()
-            assert torch.equal(HFTarget(model, "o")(ids).final_hidden, ref), feature  # restored exactly
-    print("max |Δ| of the final states without each feature:", {k: f"{v:.3g}" for k, v in moved.items()})
-    assert min(moved.values()) > 100 * TOL, moved
+    check_every_feature_matters(release, _without, FEATURES, TOL)
 
 
 def _masked_slot_gap(target) -> float:
@@ -312,13 +294,4 @@ def test_megatron_gpt_oss_equals_transformers_at_tp2_ep2_pp2():
     """Captured layers 0-3 and the final pre-LM-head states at TP=2 × EP=2 × PP=2, even and uneven stages, from the
     MXFP4 release and from save_pretrained's fused layout, within TOL in fp32 on every rank, against transformers'
     own load of the release; megatron-core needs no patch beyond the ones every family gets."""
-    report = parity_report("gpt_oss_parity.py", timeout=600)
-    from dstrain.targets import cpu_compat, mcore_patches
-
-    assert report.pop("patches") == list(cpu_compat.PATCHES) + list(mcore_patches.PATCHES)
-    per_layer = report.pop("per_layer")
-    for layout, cases in report.items():
-        print(layout, "per captured layer max |Δ|:", per_layer[layout])
-        assert min(per_layer[layout].values()) >= 0 and max(per_layer[layout].values()) < TOL
-        for case, r in cases.items():
-            check_ranks(f"gpt-oss megatron vs transformers, {layout}, {case}", r, ["0", "1", "2", "3"], TOL)
+    check_release_parity(parity_report("gpt_oss_parity.py", timeout=600), "gpt-oss", TOL)

@@ -6,7 +6,8 @@ with transformers at TP=2 × EP=2 × PP=2 (one torchrun launch)."""
 import pytest
 import torch
 
-from parity import check_ranks, parity_report
+from parity import (check_every_feature_matters, check_refuses_in_one_line, check_release_parity, parity_report,
+                    tiny_release)
 from dstrain.errors import UserError
 from dstrain.families.minimax_m2 import target as minimax
 from dstrain.targets.checkpoint import CheckpointReader
@@ -59,10 +60,7 @@ def test_registry_answers_for_minimax_m2():
     ({}, (1, 3, 1), "world.target.pp=3 does not divide the target's 4 layers"),
 ])
 def test_check_layout_refuses_in_one_line(change, layout, match):
-    with pytest.raises(UserError, match=match) as err:
-        minimax.check_layout(config_from_dict({**MINIMAX_M2, **change}), *layout)
-    msg = str(err.value)
-    assert "\n" not in msg and ("world.target" in msg or msg.endswith("use target.backend=hf")), msg
+    check_refuses_in_one_line(minimax.check_layout, config_from_dict({**MINIMAX_M2, **change}), layout, match)
 
 
 def test_whole_projection_norm_is_transformers_q_norm():
@@ -91,10 +89,7 @@ def test_whole_projection_norm_is_transformers_q_norm():
 def release(tmp_path_factory):
     from dstrain.testing.tiny_minimax_m2 import minimax_m2_model, write_minimax_m2
 
-    model = minimax_m2_model(seed=3)
-    original = {k: v.clone() for k, v in model.state_dict().items()}
-    folder = write_minimax_m2(tmp_path_factory.mktemp("minimax_m2"), model)
-    return model, original, folder
+    return tiny_release(tmp_path_factory.mktemp("minimax_m2"), minimax_m2_model(seed=3), write_minimax_m2)
 
 
 def test_release_loads_on_the_hf_backend(tmp_path):
@@ -215,20 +210,7 @@ FEATURES = ["whole_projection_qk_norm", "partial_rotary", "sigmoid_scores", "sco
 def test_every_feature_moves_the_output_far_past_the_tolerance(release):
     """Each feature of the tiny config, undone in transformers' model alone, moves its final pre-LM-head states by far
     more than the parity tolerance (≥ 100×): the parity test could not pass with any of them mishandled."""
-    from dstrain.targets.hf import HFTarget
-
-    model, original, _ = release
-    ids = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = HFTarget(model, "m")(ids).final_hidden
-        moved = {}
-        for feature in FEATURES:
-            restore = _without(model, original, feature)
-            moved[feature] = (HFTarget(model, "m")(ids).final_hidden - ref).abs().max().item()
-            restore()
-            assert torch.equal(HFTarget(model, "m")(ids).final_hidden, ref), feature  # restored exactly
-    print("max |Δ| of the final states without each feature:", {k: f"{v:.3g}" for k, v in moved.items()})
-    assert min(moved.values()) > 100 * TOL, moved
+    check_every_feature_matters(release, _without, FEATURES, TOL)
 
 
 # ---- parity with transformers -------------------------------------------------------------------------------
@@ -238,13 +220,4 @@ def test_megatron_minimax_m2_equals_transformers_at_tp2_ep2_pp2():
     """Captured layers 0-3 and the final pre-LM-head states at TP=2 × EP=2 × PP=2, even and uneven stages, from the
     FP8 release and its unquantised twin, within TOL in fp32 on every rank, against transformers single-process;
     megatron-core needs no patch beyond the ones every family gets (the q/k norm is a spec module)."""
-    report = parity_report("minimax_m2_parity.py", timeout=600)
-    from dstrain.targets import cpu_compat, mcore_patches
-
-    assert report.pop("patches") == list(cpu_compat.PATCHES) + list(mcore_patches.PATCHES)
-    per_layer = report.pop("per_layer")
-    for layout, cases in report.items():
-        print(layout, "per captured layer max |Δ|:", per_layer[layout])
-        assert min(per_layer[layout].values()) >= 0 and max(per_layer[layout].values()) < TOL
-        for case, r in cases.items():
-            check_ranks(f"MiniMax-M2 megatron vs transformers, {layout}, {case}", r, ["0", "1", "2", "3"], TOL)
+    check_release_parity(parity_report("minimax_m2_parity.py", timeout=600), "MiniMax-M2", TOL)
