@@ -84,3 +84,45 @@ def check_every_feature_matters(release: tuple, without, features: list[str], to
             assert torch.equal(HFTarget(model, "m")(ids).final_hidden, ref), feature  # restored exactly
     print("max |Δ| of the final states without each feature:", {k: f"{v:.3g}" for k, v in moved.items()})
     assert min(moved.values()) > 100 * tol, moved
+
+
+def check_hf_captures(release: tuple, name: str, ids, sizes: tuple) -> None:
+    """A release served by the hf backend (load_hf_model + HFTarget): sizes as `sizes` (hidden, vocab, layers),
+    captures and final states equal to transformers' own output_hidden_states (fp32, exact), a right-padded row
+    captures what it does alone, and a decode recomputes rather than masking its cache."""
+    import torch
+
+    from dstrain.targets.hf import HFTarget, load_hf_model
+
+    model, folder = release
+    target = HFTarget(load_hf_model(folder), name, capture_layers=[0, 1, 2])
+    assert (target.hidden_size, target.vocab_size, target.num_layers) == sizes
+    out = target(ids)
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_hidden_states=True).hidden_states  # [embeddings, layer 0, …, final norm]
+    for j, layer in enumerate(target.capture_layers):
+        assert torch.equal(out.captured[:, :, j], ref[layer + 1]), layer
+    assert torch.equal(out.final_hidden, ref[-1])
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    padded, alone = target(ids, attention_mask=mask), target(ids[1:, :7])
+    assert (padded.captured[1, :7] - alone.captured[0]).abs().max() <= 1e-6
+    assert not target.masked_cache_ok and target.prepare_mask(mask) is mask
+
+
+def check_plan_refuses_megatron(folder, megatron_recipe: str, match: str, experts: int) -> None:
+    """`dstrain plan` over a release: a megatron recipe stops at the family's one line, an hf recipe sizes the model."""
+    import pytest
+
+    from dstrain.config.schema import load_recipe
+    from dstrain.errors import UserError
+    from dstrain.plan import build_plan
+
+    common = [f"target.path={folder}", "target.hf_config=null", "drafter.mask_token_id=127"]
+    megatron = load_recipe(ROOT / "recipes" / megatron_recipe, common + [
+        "world.target.tp=2", "world.target.pp=2", "world.target.ep=2", "world.target.dp=1", "world.drafter_ranks=1",
+        "world.ranks_per_node=null"])
+    with pytest.raises(UserError, match=match):
+        build_plan(megatron)
+    plan = build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml", common + ["target.source=path"]))
+    assert (plan.sizes.hidden_size, plan.sizes.num_layers, plan.sizes.num_experts) == (32, 4, experts)

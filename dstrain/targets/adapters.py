@@ -30,6 +30,7 @@ ADAPTERS: dict[str, str] = {
 REFUSED: dict[str, str] = {
     "qwen3_5_moe": "dstrain.families.qwen3_5_moe.target:refusal",  # Gated DeltaNet needs fla's Triton kernels
     "qwen3_5_moe_text": "dstrain.families.qwen3_5_moe.target:refusal",
+    "glm_moe_dsa": "dstrain.families.glm5.target:refusal",  # GLM-5: the DSA indexer needs a CUDA Hadamard kernel
 }
 
 

@@ -63,7 +63,8 @@ class HFTarget:
         """Whether speculative decoding may keep rejected drafts in a DynamicCache behind a 2-D mask
         (eval/session.py). Not where any layer slides a window (DeepSeek-V4, gpt-oss, Mistral): transformers counts a
         window in cache slots, so masked slots inside it would push real tokens out (and V4's caches also compress
-        them), nor where a layer is recurrent (Qwen3.5's linear attention: its state has already taken the drafts in);
+        them), nor where a layer is recurrent (Qwen3.5's linear attention: its state has already taken the drafts in)
+        or indexed (GLM-5's DSA: the session's bare DynamicCache has no indexer key cache);
         such a session recomputes the prefix instead."""
         return full_attention(self.model.config.get_text_config())
 

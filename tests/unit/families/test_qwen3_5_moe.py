@@ -74,38 +74,13 @@ def test_hf_backend_captures_transformers_hidden_states(release):
     """load_hf_model reads the composite release as its text model; HFTarget's captures at a linear and a full layer
     and its final states equal transformers' own output_hidden_states of the release model (fp32, exact); a
     right-padded row captures what it does alone; a session recomputes instead of masking the hybrid cache."""
-    from dstrain.targets.hf import HFTarget, load_hf_model
+    from parity import check_hf_captures
 
-    model, folder = release
-    loaded = load_hf_model(folder)
-    target = HFTarget(loaded, "qwen3_5_moe", capture_layers=[0, 1, 2])
-    assert (target.hidden_size, target.vocab_size, target.num_layers) == (32, 128, 4)
-    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
-    out = target(ids)
-    with torch.no_grad():
-        ref = model(input_ids=ids, output_hidden_states=True).hidden_states  # [embeddings, layer 0, …, final norm]
-    for j, layer in enumerate(target.capture_layers):
-        assert torch.equal(out.captured[:, :, j], ref[layer + 1]), layer
-    assert torch.equal(out.final_hidden, ref[-1])
-    mask = torch.ones_like(ids)
-    mask[1, 7:] = 0
-    padded, alone = target(ids, attention_mask=mask), target(ids[1:, :7])
-    assert (padded.captured[1, :7] - alone.captured[0]).abs().max() <= 1e-6
-    assert not target.masked_cache_ok and target.prepare_mask(mask) is mask
+    check_hf_captures(release, "qwen3_5_moe", torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1)), (32, 128, 4))
 
 
 def test_dry_run_refuses_megatron_and_plans_hf(release):
     """`dstrain plan` over the release: a megatron recipe stops at the one line, an hf recipe sizes the text model."""
-    from conftest import ROOT
-    from dstrain.config.schema import load_recipe
-    from dstrain.plan import build_plan
+    from parity import check_plan_refuses_megatron
 
-    _, folder = release
-    common = [f"target.path={folder}", "target.hf_config=null", "drafter.mask_token_id=127"]
-    megatron = load_recipe(ROOT / "recipes/qwen3_moe.yaml", common + ["world.target.tp=2", "world.target.pp=2",
-                                                                     "world.target.ep=2", "world.target.dp=1",
-                                                                     "world.drafter_ranks=1", "world.ranks_per_node=null"])
-    with pytest.raises(UserError, match="GatedDeltaNet .*; use target.backend=hf$"):
-        build_plan(megatron)
-    plan = build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml", common + ["target.source=path"]))
-    assert (plan.sizes.hidden_size, plan.sizes.num_layers, plan.sizes.num_experts) == (32, 4, 4)
+    check_plan_refuses_megatron(release[1], "qwen3_moe.yaml", "GatedDeltaNet .*; use target.backend=hf$", 4)
