@@ -126,3 +126,32 @@ def check_plan_refuses_megatron(folder, megatron_recipe: str, match: str, expert
         build_plan(megatron)
     plan = build_plan(load_recipe(ROOT / "recipes/tiny_moe.yaml", common + ["target.source=path"]))
     assert (plan.sizes.hidden_size, plan.sizes.num_layers, plan.sizes.num_experts) == (32, 4, experts)
+
+
+def check_registry_refuses(cfg, *pieces: str) -> None:
+    """The backend registry refuses `cfg` on megatron in one line naming `pieces` and the hf backend, and lists no
+    megatron family for it."""
+    import pytest
+
+    from dstrain.errors import UserError
+    from dstrain.targets.adapters import adapter_for, checkpoint_key, megatron_families
+
+    with pytest.raises(UserError) as err:
+        adapter_for(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.endswith("use target.backend=hf"), msg
+    assert all(p in msg for p in pieces), msg
+    assert cfg.model_type not in megatron_families() and checkpoint_key(cfg, "lm_head.weight") == "lm_head.weight"
+
+
+def saved_release(tmp_path_factory, auto, config: dict, name: str) -> tuple:
+    """(model, folder): a random fp32 model of `config` built by the transformers Auto class `auto`, saved."""
+    import torch
+
+    from dstrain.targets.configs import config_from_dict
+
+    torch.manual_seed(0)
+    model = auto.from_config(config_from_dict(config)).float().eval()
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder)
+    return model, folder

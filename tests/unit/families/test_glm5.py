@@ -6,7 +6,6 @@ top-k so sparse selection is active: HFTarget's captures are transformers' own o
 import pytest
 import torch
 
-from dstrain.errors import UserError
 from dstrain.targets.configs import config_from_dict
 
 # every feature on: MLA with a q LoRA, yarn rope with mscale_all_dim, an indexer top-k (4) shorter than the tests'
@@ -42,26 +41,18 @@ def test_megatron_dsa_indexer_needs_cuda_hadamard_here():
 
 
 def test_megatron_backend_refuses_in_one_line():
-    from dstrain.targets.adapters import adapter_for, checkpoint_key, megatron_families
+    from parity import check_registry_refuses
 
-    cfg = config_from_dict(GLM5)
-    with pytest.raises(UserError) as err:
-        adapter_for(cfg)
-    msg = str(err.value)
-    assert "\n" not in msg and msg.endswith("use target.backend=hf"), msg
-    assert "DSAIndexer.forward_with_scores" in msg and "fast_hadamard_transform" in msg, msg
-    assert cfg.model_type not in megatron_families() and checkpoint_key(cfg, "lm_head.weight") == "lm_head.weight"
+    check_registry_refuses(config_from_dict(GLM5), "DSAIndexer.forward_with_scores", "fast_hadamard_transform")
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_from_dict(GLM5)).float().eval()
-    folder = tmp_path_factory.mktemp("glm5")
-    model.save_pretrained(folder)
-    return model, folder
+    from parity import saved_release
+
+    return saved_release(tmp_path_factory, AutoModelForCausalLM, GLM5, "glm5")
 
 
 def _ids():

@@ -6,7 +6,6 @@ feature of the family on: HFTarget's captures are transformers' own output_hidde
 import pytest
 import torch
 
-from dstrain.errors import UserError
 from dstrain.targets.configs import config_from_dict
 
 # every feature on: linear / full attention alternating, gated attention output (q_proj is twice the heads), partial
@@ -37,26 +36,18 @@ def test_megatron_gated_delta_net_needs_fla_here():
 
 @pytest.mark.parametrize("config", [QWEN3_5_MOE, dict(model_type="qwen3_5_moe_text", **QWEN3_5_MOE["text_config"])])
 def test_megatron_backend_refuses_in_one_line(config):
-    from dstrain.targets.adapters import adapter_for, checkpoint_key, megatron_families
+    from parity import check_registry_refuses
 
-    cfg = config_from_dict(config)
-    with pytest.raises(UserError) as err:
-        adapter_for(cfg)
-    msg = str(err.value)
-    assert "\n" not in msg and msg.endswith("use target.backend=hf"), msg
-    assert "GatedDeltaNet" in msg and "fla.ops.gated_delta_rule.chunk_gated_delta_rule" in msg, msg
-    assert cfg.model_type not in megatron_families() and checkpoint_key(cfg, "lm_head.weight") == "lm_head.weight"
+    check_registry_refuses(config_from_dict(config), "GatedDeltaNet", "fla.ops.gated_delta_rule.chunk_gated_delta_rule")
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config_from_dict(QWEN3_5_MOE)).float().eval()
-    folder = tmp_path_factory.mktemp("qwen3_5_moe")
-    model.save_pretrained(folder)
-    return model, folder
+    from parity import saved_release
+
+    return saved_release(tmp_path_factory, AutoModelForImageTextToText, QWEN3_5_MOE, "qwen3_5_moe")
 
 
 def test_tiny_release_switches_every_feature_on(release):
