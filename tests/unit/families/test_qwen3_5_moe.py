@@ -67,7 +67,8 @@ def test_hf_backend_captures_transformers_hidden_states(release):
     right-padded row captures what it does alone; a session recomputes instead of masking the hybrid cache."""
     from parity import check_hf_captures
 
-    check_hf_captures(release, "qwen3_5_moe", torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1)), (32, 128, 4))
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    check_hf_captures(release, "qwen3_5_moe", ids, (32, 128, 4))
 
 
 def test_dry_run_refuses_megatron_and_plans_hf(release):
