@@ -123,8 +123,12 @@ class DeferredPuts:
 @torch.no_grad()
 def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures:
     """Features of `samples` on the target's device. `cache`: a FeatureCache or a feature_store.FeatureStore, keyed
-    by the sample's token ids (features are a function of them alone); it holds CPU copies (GPU memory is for training)."""
+    by the sample's token ids (features are a function of them alone); it holds CPU copies (GPU memory is for training).
+    A run passes it behind its DeferredPuts (writes in flight across steps); a bare cache is wrapped for this call."""
     from dstrain.train.feature_store import sample_key
+
+    own = cache is not None and not isinstance(cache, DeferredPuts)
+    cache = DeferredPuts(cache) if own else cache
 
     device = target_device(target)
     keys = [sample_key(s.input_ids) for s in samples]
@@ -138,14 +142,17 @@ def target_features(target, samples: list[Sample], cache=None) -> TargetFeatures
         out = target(_to_device(ids, device), att)
         for i, (k, _) in enumerate(todo):
             found[k] = (out.captured[i, : lengths[i]].clone(), out.final_hidden[i, : lengths[i]].clone())
-            if cache is not None:  # a DeferredPuts copies to the host without waiting; other caches take host copies
-                cache.put(k, *(found[k] if isinstance(cache, DeferredPuts) else (t.cpu() for t in found[k])))
+            if cache is not None:  # copied to the host without waiting (DeferredPuts)
+                cache.put(k, *found[k])
     parts = [found[k] for k in keys]
     pick = getattr(cache, "layer_index", None)  # the cache holds more layers than this run reads
     captured = [c if pick is None else c[:, pick] for c, _ in parts]
     # cache hits are host tensors: non-blocking copies (pinned on a GPU), as every batch the step reads
     here = lambda t: t if t.device == device else _to_device(t, device)  # noqa: E731
-    return TargetFeatures(torch.cat([here(c) for c in captured]), torch.cat([here(f) for _, f in parts]))
+    feats = TargetFeatures(torch.cat([here(c) for c in captured]), torch.cat([here(f) for _, f in parts]))
+    if own:
+        cache.close()
+    return feats
 
 
 def pack_samples(samples: list[Sample], gamma: int, anchors_per_seq: int, window: int | None, seed: int, epoch: int,
