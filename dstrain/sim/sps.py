@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dstrain import capabilities
 from dstrain.errors import UserError
 
 
@@ -31,10 +32,11 @@ def prefill(model, context: int, generator: torch.Generator):
     from transformers import DynamicCache
 
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=generator)
-    if model.config.model_type == "deepseek_v4":
-        # V4's caches are its own sliding, compressing layers (built from the config; a plain DynamicCache fails in
-        # its attention), whose compressor state batch_repeat_interleave does not copy: keep the context's tokens
-        # and prefill each measured batch from them
+    cap = capabilities.of_config(model.config)
+    if cap is not None and cap.cache == "from_config":
+        # e.g. DeepSeek-V4: its caches are its own sliding, compressing layers (built from the config; a plain
+        # DynamicCache fails in its attention), whose compressor state batch_repeat_interleave does not copy: keep
+        # the context's tokens and prefill each measured batch from them
         cache = DynamicCache(config=model.config)
         cache.context_ids = ids
     else:

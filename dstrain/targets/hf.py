@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dstrain import capabilities
 from dstrain.errors import UserError
 from dstrain.targets.base import TargetOutput, resolve_capture_layers
 
@@ -21,8 +22,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # how a captured layer is read out; the feature cache keys on it, so features read another way are never served.
 # 2: mHC streams averaged (1: through the model's hc_head)
 READOUT_VERSION = 2
-# families whose decoder builds its mask with masking_utils.create_causal_mask (a 4-D mask passes through it as is)
-PREPARED_MASK_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 def full_attention(cfg) -> bool:
@@ -77,9 +76,11 @@ class HFTarget:
         (causal, padded keys off). Given a 2-D mask, transformers reads it back to decide whether it can skip it
         (masking_utils._ignore_causal_mask_sdpa): a wait for the device on every target forward. A prepared mask is
         used as it is, so this applies only where it is what transformers would build: SDPA attention, full causal
-        attention in every layer (no sliding windows), the families below; else the mask is returned unchanged."""
+        attention in every layer (no sliding windows), a family whose family.json says prepared_mask; else the mask is returned unchanged."""
         cfg = self.model.config.get_text_config()
-        if not (full_attention(cfg) and cfg.model_type in PREPARED_MASK_FAMILIES and cfg._attn_implementation == "sdpa"
+        cap = capabilities.of(cfg.model_type)  # its family.json's prepared_mask: the decoder builds its mask with
+        # masking_utils.create_causal_mask, which passes a 4-D mask through as is
+        if not (full_attention(cfg) and cap is not None and cap.prepared_mask and cfg._attn_implementation == "sdpa"
                 and getattr(cfg, "is_causal", True) and attention_mask.dim() == 2):
             return attention_mask
         t = attention_mask.shape[1]

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from dstrain import capabilities
 from dstrain.errors import UserError
 from dstrain.families.deepseek_v3.target import MODEL_TYPE as TEXT_MODEL_TYPE, DeepseekV3Adapter
 from dstrain.targets.shard_plan import Param, RankCoords
 
 MODEL_TYPE = "kimi_k25"
-TEXT_PREFIX = "language_model."  # the text model's own save_pretrained keys (model.*, lm_head.*) under this prefix
 
 
 def text_config(cfg):
@@ -32,8 +32,9 @@ def text_config(cfg):
 
 
 def release_key(key: str) -> str:
-    """A text-model checkpoint key (model.layers.3.mlp.experts.5.up_proj.weight) as the release spells it."""
-    return TEXT_PREFIX + key
+    """A text-model checkpoint key (model.layers.3.mlp.experts.5.up_proj.weight) as the release spells it: under
+    "language_model." (family.json's checkpoint_rename, which the drafter ranks' embedding and LM head reads also use)."""
+    return capabilities.of(MODEL_TYPE).checkpoint_key(key)
 
 
 class KimiK2Adapter(DeepseekV3Adapter):
@@ -41,9 +42,6 @@ class KimiK2Adapter(DeepseekV3Adapter):
 
     def text_config(self, cfg):
         return text_config(cfg)
-
-    def checkpoint_key(self, key: str) -> str:
-        return release_key(key)
 
     def check_layout(self, cfg, tp: int, pp: int, ep: int, pipeline_layers=None) -> None:
         try:

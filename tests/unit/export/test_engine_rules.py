@@ -40,7 +40,7 @@ def test_a_mixtral_target_hosts_no_aux_drafter_in_vllm(overrides):
     refused = vllm(cfg, "MixtralForCausalLM")
     assert refused.status == "refuses" and refused.why == ["vllm-aux-hidden-states"] and refused.speculative_config is None
     assert "MixtralForCausalLM does not ('Model does not support EAGLE3 interface')" in refused.line()
-    for arch in engines.AUX_TARGETS:
+    for arch in engines.aux_targets("vllm"):
         assert "vllm-aux-hidden-states" not in vllm(cfg, arch).why and vllm(cfg, arch).status == "loads", arch
     assert vllm(cfg, "DeepseekV3ForCausalLM").status == "version-bound"  # not checked here
     assert engines.target_architecture({"model_type": "mixtral"}) == "MixtralForCausalLM"
@@ -91,7 +91,7 @@ def test_sglang_reading_speculators_dspark_is_version_bound():
     assert sglang(cfg, "speculators").status == "version-bound"
     assert sglang(cfg, "speculators").why == ["sglang-speculators-convention"]
     assert sglang(cfg, "deepspec").status == "loads"
-    assert sglang(cfg, "deepspec", "MixtralForCausalLM").why == ["sglang-mixtral-capture"]
+    assert sglang(cfg, "deepspec", "MixtralForCausalLM").why == ["sglang-capture-hook"]
 
 
 def test_vllm_n_predict_rule():
