@@ -20,7 +20,9 @@ from dstrain.errors import UserError
 from dstrain.targets.shard_plan import Param, RankCoords, Read, cat0, check_stages, full, megatron_stage_kwargs, rows
 
 MODEL_TYPE = "deepseek_v3"
-HF_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with this eps whatever rms_norm_eps says
+# transformers builds q_a_layernorm / kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says; vLLM's and SGLang's
+# DeepseekV2Attention use rms_norm_eps, as megatron's MLA does: a release with another eps (Kimi K2.6: 1e-5) gets the
+# engines' features, which differ from transformers' by the eps alone (parity is tested at 1e-6)
 
 
 def _rope(cfg) -> dict:
@@ -85,8 +87,6 @@ class DeepseekV3Adapter:
             raise no(f"hidden_act={cfg.hidden_act!r}")
         if cfg.attention_bias:
             raise no("attention_bias=true (megatron's MLA projections have no bias)")
-        if cfg.rms_norm_eps != HF_NORM_EPS:
-            raise no(f"rms_norm_eps={cfg.rms_norm_eps} (HF's q/kv latent norms keep eps 1e-6, megatron's use rms_norm_eps)")
         if not cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
             raise no("norm_topk_prob=false (megatron's sigmoid router always renormalises the top-k)")
         if _group_limited(cfg) and cfg.num_experts_per_tok // cfg.topk_group != 2:

@@ -191,12 +191,19 @@ def test_yarn_scales_match_transformers(yarn):
     assert megatron_softmax == pytest.approx(yarn_apply_mscale(cfg.rope_parameters, qh ** -0.5), rel=1e-12)
 
 
+def test_latent_norms_take_rms_norm_eps_as_the_engines_do():
+    """A release whose rms_norm_eps is not transformers' hard-coded latent-norm eps (Kimi K2.6: 1e-5) is built, every
+    norm at rms_norm_eps as vLLM's and SGLang's DeepseekV2Attention build q_a/kv_a_layernorm."""
+    cfg = config(rms_norm_eps=1e-5)
+    ADAPTER.check_layout(cfg, 1, 1, 1)
+    assert ADAPTER.transformer_config(cfg, 1, 1, 1, torch.float32).layernorm_epsilon == 1e-5
+
+
 @pytest.mark.parametrize("over,layout,match", [
     (dict(norm_topk_prob=False), (1, 1, 1), "norm_topk_prob=false"),
     (dict(num_experts_per_tok=2), (1, 1, 1), "num_experts_per_tok/topk_group=2/2"),
     (dict(attention_bias=True), (1, 1, 1), "attention_bias"),
     (dict(hidden_act="gelu"), (1, 1, 1), "hidden_act"),
-    (dict(rms_norm_eps=1e-5), (1, 1, 1), "rms_norm_eps"),
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), (1, 1, 1), "rope_type='linear'"),
     (dict(rope_parameters={**PUBLISHED_YARN, "truncate": False}), (1, 1, 1), "truncate=false"),
     ({}, (3, 1, 1), "world.target.tp=3 must divide the target's num_attention_heads"),
