@@ -277,6 +277,11 @@ def memory_verdict(plan: Plan) -> str | None:
     totals = {role: sum(parts.values()) for role, parts in plan.memory.items()}
     if w.mode == "colocated":
         totals = {"colocated rank": sum(totals.values())}
+    weights = plan.memory.get("target rank", {}).get("weights", 0.0)
+    if plan.recipe.target.backend == "hf" and weights > w.gpu_memory_gib:
+        return (f"the hf backend holds a whole target replica per rank, and its weights alone need ~{weights:.1f} GiB "
+                f"(dry-run estimate) against world.gpu_memory_gib={w.gpu_memory_gib:g}: serve it sharded with "
+                "target.backend=megatron (dstrain plan with it says whether this family builds there)")
     for role, total in totals.items():
         if total > w.gpu_memory_gib:
             return (f"a {role} needs ~{total:.1f} GiB (dry-run estimate) but world.gpu_memory_gib={w.gpu_memory_gib:g}:"

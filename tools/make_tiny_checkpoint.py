@@ -11,6 +11,13 @@ LM head (and DeepSeek-V4's compressor / indexer scoring projections) stay BF16.
   tools/make_tiny_checkpoint.py --family deepseek_v4 --fp8 --block 8 --tokenizer /tmp/v4-flash-tiny
   tools/make_tiny_checkpoint.py --family deepseek_v4 --fp8 --block 8 --dspark 2 /tmp/v4-flash-dspark-tiny
 
+--release FAMILY writes one of the families served now in its release layout, with a tokenizer, as the shipped
+recipes' tiny variants use them (kimi_k2, gpt_oss: MXFP4 experts, minimax_m2: FP8 blocks, qwen3_5_moe, glm5; see
+dstrain/testing/tiny_releases.py):
+
+  tools/make_tiny_checkpoint.py --release gpt_oss /tmp/gpt-oss-tiny
+  dstrain train gpt_oss_120b target.path=/tmp/gpt-oss-tiny target.hf_config=null ...   # tests/unit/families/test_recipes_end_to_end.py
+
 --dspark N (DeepSeek-V4) adds a tiny released DSpark drafter of N layers in the checkpoint's mtp.* section with its
 dspark_* config keys, quantised like the checkpoint (a drafter.init_from / dstrain evaluate test folder).
 """
@@ -31,6 +38,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="output folder (must not exist or be empty)")
     ap.add_argument("--family", help=f"one of: {', '.join(FAMILIES)}")
+    ap.add_argument("--release", help="a family served now, in its release layout with a tokenizer: "
+                    "kimi_k2, gpt_oss, minimax_m2, qwen3_5_moe, glm5 (no other option applies)")
     ap.add_argument("--config", help="JSON transformers config kwargs incl. model_type (instead of --family)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shards", type=int, default=None, help="number of safetensors files (default 4; smollm2_moe: 1)")
@@ -46,6 +55,8 @@ def main() -> int:
 
     from dstrain.testing.tiny_checkpoints import family_config, write_checkpoint
 
+    if args.release:
+        return _release(args)
     if bool(args.family) == bool(args.config):
         raise UserError("give exactly one of --family or --config")
     try:
@@ -88,6 +99,30 @@ def main() -> int:
     print(f"wrote {out}: {hf_config['model_type']}, {len(files)} safetensors file(s), {size / 2**20:.2f} MiB"
           + (f", FP8 blocks {args.block}x{args.block}" if args.fp8 else "") + (", FP4 experts" if args.fp4_experts else "")
           + (f", a {args.dspark}-layer DSpark drafter in mtp.*" if args.dspark else ""))
+    return 0
+
+
+def _release(args) -> int:
+    from dstrain.testing.tiny_releases import WRITERS, write_release
+
+    if args.release not in WRITERS:
+        raise UserError(f"--release {args.release}: choose one of {', '.join(WRITERS)}")
+    if args.family or args.config:
+        raise UserError("--release writes a whole release: drop --family / --config")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} is not empty; choose another folder")
+    staging = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _, fingerprint = write_release(args.release, staging, seed=args.seed)
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    print(f"wrote {out}: a tiny {args.release} release, tokenizer fingerprint {fingerprint}")
     return 0
 
 

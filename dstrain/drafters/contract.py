@@ -42,7 +42,9 @@ class TargetSpec:
 
 
 def spec_from_config(cfg, num_capture: int) -> TargetSpec:
-    """The TargetSpec of a Hugging Face config (the plan reads it from a config, the trainer from a loaded target)."""
+    """The TargetSpec of a Hugging Face config (the plan reads it from a config, the trainer from a loaded target); of
+    its text model where the release is composite (Kimi K2.x, Qwen3.5: a vision-language config)."""
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
     theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     return TargetSpec(cfg.hidden_size, cfg.vocab_size, num_capture, cfg.num_attention_heads,

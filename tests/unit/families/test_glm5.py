@@ -7,19 +7,8 @@ import pytest
 import torch
 
 from dstrain.targets.configs import config_from_dict
+from dstrain.testing.tiny_releases import GLM5
 
-# every feature on: MLA with a q LoRA, yarn rope with mscale_all_dim, an indexer top-k (4) shorter than the tests'
-# sequences (11), "full" and "shared" indexer layers, a dense first layer then routed experts with group-limited
-# routing (2 groups, 1 kept), a shared expert, top-k renormalisation and routed_scaling_factor
-GLM5 = dict(model_type="glm_moe_dsa", vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-            num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-            kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
-            index_topk=4, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1,
-            indexer_types=["full", "shared", "full", "shared"], max_position_embeddings=256, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
-                             "mscale": 1.0, "mscale_all_dim": 1.0})
 SEQ = 11
 
 

@@ -7,21 +7,7 @@ import pytest
 import torch
 
 from dstrain.targets.configs import config_from_dict
-
-# every feature on: linear / full attention alternating, gated attention output (q_proj is twice the heads), partial
-# interleaved M-RoPE, a conv state (kernel 4, shorter than the tests' sequences), more value than key heads in the
-# linear layers, routed experts with a gated shared expert; a one-block vision tower that a text target never runs
-QWEN3_5_MOE = dict(
-    model_type="qwen3_5_moe", tie_word_embeddings=False,
-    text_config=dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=8, max_position_embeddings=256, linear_conv_kernel_dim=4, linear_key_head_dim=8,
-                     linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                     moe_intermediate_size=24, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                     layer_types=["linear_attention", "full_attention"] * 2, tie_word_embeddings=False,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                      "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
-    vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
-                       temporal_patch_size=2, spatial_merge_size=1, num_position_embeddings=16))
+from dstrain.testing.tiny_releases import QWEN3_5_MOE
 
 
 def test_megatron_gated_delta_net_needs_fla_here():
