@@ -1,7 +1,10 @@
 """The recipes of the families served now (kimi_k2, gpt_oss_120b, minimax_m2, qwen3_5_moe, glm5): at real size each
 prints its plan (node map, memory, balance) without weights; its tiny variant — the same recipe with overrides that
 point target.path at a tiny random release of the family (dstrain/testing/tiny_releases.py) and shrink the drafter —
-trains a DSpark and an Eagle3 drafter under torchrun, exports both and evaluates them against the target.
+trains a DSpark and an Eagle3 drafter under torchrun, exports both and evaluates them against the target. Where
+people serve released Eagle3 drafters in SGLang's layout (Kimi K2.5: AQ-MedAI/Kimi-K25-eagle3; Qwen3.5:
+AQ-MedAI/Qwen3.5-397B-A17B-eagle3, per each family.json; no model hub is reachable here to fetch them), a run warm
+starts from the Eagle3 export in that layout (drafter.init_from) and holds its weights after one step at lr 1e-12.
 
 Two 4-process launches train all ten (the megatron families disaggregated, 2 drafter ranks + 2 target ranks at
 TP2 × EP2 / PP2 / TP2 × EP2; then the hf families colocated over 4 replicas: a colocated run after disaggregated ones
@@ -27,6 +30,7 @@ EAGLE3 = ["drafter.type=eagle3", "drafter.num_layers=1", "drafter.head=none", "d
           "loss.alpha_conf=0", "drafter.sliding_window=null", "drafter.qk_norm=false", "drafter.block_size=4",
           "drafter.mask_token_id=127"]
 STEPS = 3
+WARM = ("kimi_k2", "qwen3_5_moe")  # families with released SGLang-layout Eagle3 drafters
 
 
 @pytest.mark.parametrize("family", RECIPES)
@@ -90,6 +94,12 @@ def test_family_recipes_train_export_and_evaluate_their_tiny_variants(tmp_path):
                       "--target", str(release), "--prompts", str(prompts), "--max-new-tokens", "8", "--no-baseline",
                       "--batch", "2", "--out", str(ev)])
         evals[family] = (pair, ev)
+        if family in WARM:  # one process, the hf backend: warm start from the SGLang-layout Eagle3 export
+            warm = [*_overrides(family, release, shards, tmp_path / "warm" / family, EAGLE3), "world.mode=colocated",
+                    "world.target.tp=1", "world.target.pp=1", "world.target.ep=1", "world.target.dp=1",
+                    "world.drafter_ranks=1", "target.backend=hf", "train.steps=1", "train.warmup_steps=0",
+                    "train.lr=1e-12", "train.min_lr=0", f"drafter.init_from={pair['eagle3'][1]}"]
+            batch.append(["train", f"recipes/{recipe}.yaml", *warm])
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for backend, launch in runs.items():
@@ -99,6 +109,13 @@ def test_family_recipes_train_export_and_evaluate_their_tiny_variants(tmp_path):
         assert proc.returncode == 0, (backend, proc.stderr[-5000:])
     run_tool("tests/integration/workers/cli_batch.py", json.dumps(batch), timeout=900)
 
+    from dstrain.export.artifacts import read_artifact
+
+    for family in WARM:
+        export = read_artifact(evals[family][0]["eagle3"][1], need_target=False).state
+        state = read_artifact(tmp_path / "warm" / family / "run", need_target=False).state
+        assert set(state) == set(export), family
+        assert max((state[k] - v).abs().max().item() for k, v in export.items()) < 1e-6, family
     for family, (pair, ev) in evals.items():
         for kind, (run, export) in pair.items():
             metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
