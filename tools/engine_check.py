@@ -62,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/engine-check", help="record folder, and the runs/exports under it (default %(default)s)")
     ap.add_argument("--venv", default=str(ROOT / ".venv-engine"), help="the engine's venv (default %(default)s)")
+    ap.add_argument("--install-only", action="store_true",
+                    help="install (or reuse) the engine venv and stop: make engine-venv, which target.backend=vllm uses")
     ap.add_argument("--python", default=os.environ.get("PY311", "python3.11"), help="interpreter that creates it (default %(default)s)")
     ap.add_argument("--drafters", default="dflash,eagle3", help="which to check (default %(default)s)")
     ap.add_argument("--steps", type=int, default=200, help="training steps per drafter (default %(default)s)")
@@ -386,6 +388,10 @@ def main() -> int:
               f"prompts {args.prompts or f'{args.count} held-out'} x {args.max_new_tokens} tokens, out {out}")
         for s in STAGES:
             print("  " + s)
+        return 0
+    if args.install_only:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        install_engine(args, out)
         return 0
     if not args.prompts and args.count < 6:
         raise SystemExit("engine-check: --count must be at least 6")

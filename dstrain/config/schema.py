@@ -78,12 +78,15 @@ class TargetConfig(Section):
 
     name: str = Field(..., description="the target's name, recorded in shards and exports; the loader checks that the"
                       " shards were made for it")
-    backend: Literal["hf", "megatron"] = Field("hf", description="hf: transformers, one whole replica per rank; megatron:"
-                                               " megatron-core sharded TP x PP x EP over its own ranks (world.mode="
-                                               "disaggregated)")
-    source: Literal["path", "smollm2_moe", "random"] = Field("path", description="path: a local Hugging Face folder"
-                                                             " (target.path); smollm2_moe: the embedded SmolLM2-135M-Instruct,"
-                                                             " upcycled; random: random weights from target.hf_config")
+    backend: Literal["hf", "megatron", "vllm"] = Field("hf", description="hf: transformers, one whole replica per rank;"
+                                                       " megatron: megatron-core sharded TP x PP x EP over its own ranks "
+                                                       "(world.mode=disaggregated); vllm: served by vLLM in its own "
+                                                       "process, its hidden states streamed to the drafter (colocated)")
+    engine_python: str | None = Field(None, description="backend=vllm: the python that has vllm (default: "
+                                      "$DSTRAIN_VLLM_PYTHON, else the repository's .venv-engine from make engine-venv)")
+    source: Literal["path", "smollm2_moe", "smollm2", "random"] = Field(
+        "path", description="path: a local Hugging Face folder (target.path); smollm2_moe: the embedded "
+        "SmolLM2-135M-Instruct, upcycled; smollm2: the same model dense; random: random weights from target.hf_config")
     path: str | None = Field(None, description="source=path: the target's Hugging Face folder (config.json + safetensors)")
     hf_config: dict[str, Any] | None = Field(
         None, description="transformers config kwargs incl. model_type; builds a random target, or sizes the plan when the path is absent"
@@ -360,6 +363,12 @@ class Recipe(Section):
                                  "set drafter.backbone=auto (or generic)")
             if problems := v4_backbone_conflicts(self.drafter):
                 raise ValueError(problems[0])
+        if self.target.backend == "vllm" and self.world.mode != "colocated":
+            raise ValueError("target.backend=vllm serves the target from a vLLM process beside each drafter rank: set "
+                             "world.mode=colocated")
+        if self.target.backend == "vllm" and self.eval.every:
+            raise ValueError("eval.every decodes with a transformers target in the drafter's process; with "
+                             "target.backend=vllm set eval.every=0 and evaluate checkpoints with dstrain eval")
         if self.target.backend == "megatron" and self.world.mode == "colocated":
             raise ValueError("target.backend=megatron shards the target over its own ranks: set world.mode=disaggregated")
         return self

