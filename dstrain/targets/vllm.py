@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections import deque
 from pathlib import Path
 
@@ -65,6 +66,7 @@ class VllmEngine:
              "--tensor-parallel-size", str(tensor_parallel)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.layer_ids = layer_ids
+        self.seconds = {"engine": 0.0, "handover": 0.0}  # waiting on the server; reading its files (tools/bench_vllm_target.py)
         atexit.register(self.close)
         hello = self._read()
         if "error" in hello:
@@ -94,7 +96,9 @@ class VllmEngine:
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # _read reports the exit
+        t = time.perf_counter()
         files = self._read()["files"]
+        t2 = time.perf_counter()
         out = []
         for row, path in zip(rows, files):
             data = load_file(path)
@@ -102,6 +106,8 @@ class VllmEngine:
             if data["token_ids"].tolist() != row:
                 raise RuntimeError(f"vLLM answered {path} for other tokens than sent")  # a protocol bug, not a user's
             out.append(data["hidden_states"])
+        self.seconds["engine"] += t2 - t
+        self.seconds["handover"] += time.perf_counter() - t2
         return out
 
     def close(self) -> None:

@@ -129,3 +129,18 @@ def test_smollm2_vllm_recipe_trains_as_the_hf_backend(tmp_path):
     print(f"smollm2_vllm: losses {losses}; max |Δloss| {worst:.2e}")
     assert len(losses["vllm"]) == 3 and worst < 1e-4, losses
     assert shm() <= before  # the hand-over folder went with the run
+
+
+@needs_engine
+def test_a_dying_server_is_one_line(tmp_path):
+    """The server killed between batches: the next forward ends in one line saying so (the run stops there and resumes
+    from its last checkpoint), not a hang on the pipe."""
+    target = _target(_release(tmp_path, TINY_QWEN3_MOE), "vllm")
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert target(ids).captured.shape == (2, 12, 3, 64)
+    target.engine.proc.kill()
+    target.engine.proc.wait()
+    with pytest.raises(UserError, match="the vLLM server exited \\(code -9\\)") as err:
+        target(ids)
+    assert "\n" not in str(err.value)
+    target.close()
