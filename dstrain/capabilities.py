@@ -14,6 +14,8 @@ only. A file holds family-wide keys and a `model_types` table whose entries over
   cache             "dynamic" (a bare DynamicCache serves decoding) or "from_config" (the family's own cache classes)
   engines           per engine, per target architecture: {"aux_hidden_states": true/false/null, "read": ..., "source": ...}
   released_drafters drafters people serve on it: [{"id", "kind", "format", "imports", "source"}]
+  release_bits      bits per weight as released: {"experts", "other" (embedding and LM head stay BF16), "source"}
+                    (what a serving engine holds; the megatron backend dequantises to BF16)
   checkpoint_rename [old prefix, new prefix]: how the release spells a text-model key (a vision-language release
                     nests its text model: Kimi K2.x under "language_model.", Qwen3.5 under "model.language_model.")
 
@@ -30,7 +32,7 @@ from pathlib import Path
 FAMILIES_DIR = Path(__file__).resolve().parent / "families"
 KEYS = {"architecture": None, "megatron": None, "megatron_refusal": None, "draft_backbone": None, "drafter_moe": False,
         "prepared_mask": False, "cache": "dynamic", "engines": {}, "released_drafters": [], "name": None,
-        "checkpoint_rename": None}
+        "checkpoint_rename": None, "release_bits": None}
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Capabilities:
     engines: dict = field(default_factory=dict)
     released_drafters: list = field(default_factory=list)
     checkpoint_rename: list | None = None
+    release_bits: dict | None = None
 
     def checkpoint_key(self, key: str) -> str:
         """A text-model key (model.embed_tokens.weight, lm_head.weight) as this family's release spells it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dstrain.errors import UserError
+from dstrain.sim.served import served_lines
 from dstrain.sim.flops import StepFlops, balance_verdict, meta_drafter, sequence_parallel, stage_layers, step_flops
 from dstrain.config.schema import Recipe
 from dstrain.runtime.channel import plan_channel_line
@@ -248,6 +249,8 @@ def format_plan(plan: Plan, recipe_path: str) -> str:
     else:
         add(f"  balance  colocated: each rank spends {f.target_per_sequence / (f.target_per_sequence + f.drafter_per_sequence):.0%}"
             " of its step FLOPs on the target forward")
+    for line in served_lines(plan):
+        add(line)
     if plan.load:
         b = plan.load
         add(f"  load     each target rank reads <= {_gib(b['read'] / GiB)} of the {_gib(b['checkpoint'] / GiB)} checkpoint (owns"
