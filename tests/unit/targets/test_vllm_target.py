@@ -104,7 +104,8 @@ def test_a_target_without_eagle3_interface_is_one_line(tmp_path):
 
 @needs_engine
 def test_smollm2_vllm_recipe_trains_as_the_hf_backend(tmp_path):
-    """`dstrain train smollm2_vllm` against vLLM and the same recipe with target.backend=hf: the same losses."""
+    """`dstrain train smollm2_vllm` against vLLM and the same recipe with target.backend=hf: the same losses; and
+    against vLLM again filling a feature cache on disk (the offline path): the same losses, the cache written."""
     from transformers import AutoTokenizer
 
     from dstrain.data.shards import synthetic_shards
@@ -122,9 +123,11 @@ def test_smollm2_vllm_recipe_trains_as_the_hf_backend(tmp_path):
     shm = (lambda: {p for p in os.listdir("/dev/shm") if p.startswith("dstrain-vllm-")}) if os.path.isdir("/dev/shm") else set
     before = shm()
     losses = {}
-    for backend in ("vllm", "hf"):
-        run_tool("-m", "dstrain", "train", *common, f"target.backend={backend}", f"run.name={backend}", timeout=900)
-        losses[backend] = [json.loads(line)["train/loss"] for line in open(tmp_path / "runs" / backend / "metrics.jsonl")]
+    cache = tmp_path / "features"
+    for name, over in (("vllm", []), ("hf", ["target.backend=hf"]), ("cached", [f"train.feature_cache_dir={cache}"])):
+        run_tool("-m", "dstrain", "train", *common, *over, f"run.name={name}", timeout=900)
+        losses[name] = [json.loads(line)["train/loss"] for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
+    assert losses["cached"] == losses["vllm"] and any(cache.rglob("*")), losses
     worst = max(abs(x - y) for x, y in zip(losses["vllm"], losses["hf"]))
     print(f"smollm2_vllm: losses {losses}; max |Δloss| {worst:.2e}")
     assert len(losses["vllm"]) == 3 and worst < 1e-4, losses
