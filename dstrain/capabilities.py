@@ -123,3 +123,12 @@ def by_architecture(arch: str | None) -> Capabilities | None:
 def model_types_with(**want) -> list[str]:
     """The model_types whose capabilities have every given value, e.g. model_types_with(draft_backbone="v4")."""
     return sorted(m for m, c in table().items() if all(getattr(c, k) == v for k, v in want.items()))
+
+
+def backbone_for(drafter_type: str, backbone: str, model_type: str | None) -> str:
+    """What drafter.backbone builds on a target of this model_type: `auto` is the family's draft_backbone for DSpark
+    (V4's own layers on DeepSeek-V4), else generic; an explicit choice stands (the registry refuses a misfit)."""
+    if backbone != "auto":
+        return backbone
+    own = getattr(of(model_type), "draft_backbone", None)
+    return own if drafter_type == "dspark" and own else "generic"

@@ -300,20 +300,13 @@ class Recipe(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
 
-    def drafter_backbone(self) -> str:
-        """What drafter.backbone builds as far as the recipe tells: `auto` on a target named by target.hf_config is
-        the backbone its family.json gives DSpark (dstrain/capabilities.py); the built drafter decides finally."""
-        d = self.drafter
-        if d.backbone != "auto" or d.type != "dspark":
-            return "generic" if d.backbone == "auto" else d.backbone
-        return getattr(capabilities.of(self.target_model_type()), "draft_backbone", None) or "generic"
-
     def target_model_type(self) -> str | None:
         return (self.target.hf_config or {}).get("model_type")
 
     def drafter_has_moe(self) -> bool:
-        """The drafter's FFN routes experts: drafter.ffn.type=moe, or a family backbone whose layers route them."""
-        backbone = self.drafter_backbone()
+        """The drafter's FFN routes experts: drafter.ffn.type=moe, or a family backbone whose layers route them (as far
+        as the recipe tells: `auto` resolves on a target named by target.hf_config)."""
+        backbone = capabilities.backbone_for(self.drafter.type, self.drafter.backbone, self.target_model_type())
         if backbone != "generic":
             return any(c.drafter_moe for c in capabilities.table().values() if c.draft_backbone == backbone)
         return self.drafter.ffn.type == "moe"

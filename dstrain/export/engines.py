@@ -266,8 +266,8 @@ class Verdict:
             r = RULES.get(key)
             if r is None:  # a setting the format itself cannot express
                 return f"train with {key}"
-            fact = (capabilities.by_architecture(self.arch).engines.get(r.engine, {})
-                    if key in CLASS_RULES and capabilities.by_architecture(self.arch) else {})
+            cap = capabilities.by_architecture(self.arch) if key in CLASS_RULES else None
+            fact = cap.engines.get(r.engine, {}) if cap else {}
             read = f"; {self.arch}: {fact['read']}" + (f" [{fact['source']}]" if sources else "") if fact else ""
             return (r.says + (f" [{r.source}]" if sources else "") + read
                     + (f"; fix: {r.fix}" if r.fix and r.effect == "refuses" else ""))

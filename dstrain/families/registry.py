@@ -26,11 +26,8 @@ DRAFTERS: dict[str, Callable[..., nn.Module]] = {
 def resolve_backbone(cfg, target_config=None) -> str:
     """'v4' or 'generic': what drafter.backbone means against this target (None: a target not known here)."""
     model_type = getattr(target_config, "model_type", None)
-    own = getattr(capabilities.of(model_type), "draft_backbone", None)
-    backbone = getattr(cfg, "backbone", "auto")
-    if backbone == "auto":
-        return own if cfg.type == "dspark" and own else "generic"
-    if backbone != "generic" and backbone != own:
+    backbone = capabilities.backbone_for(cfg.type, getattr(cfg, "backbone", "auto"), model_type)
+    if backbone != "generic" and backbone != getattr(capabilities.of(model_type), "draft_backbone", None):
         raise UserError(f"drafter.backbone=v4 builds DeepSeek-V4's draft layers, but the target is {model_type or 'not a V4 model'}:"
                         " set drafter.backbone=auto (or generic)")
     return backbone
