@@ -139,7 +139,7 @@ class VllmTarget:
 
     device = torch.device("cpu")
 
-    def __init__(self, target_cfg, seed: int = 0):
+    def __init__(self, target_cfg, seed: int = 0, max_length: int | None = None):
         from dstrain.targets.folders import checkpoint_folder
         from dstrain.targets.frozen import load_frozen_parts
 
@@ -154,7 +154,7 @@ class VllmTarget:
         self._norm = final_norm(folder, self.config, target_cfg.dtype)
         self.engine = VllmEngine(engine_python(getattr(target_cfg, "engine_python", None)), folder,
                                  vllm_layer_ids(self.capture_layers, self.num_layers), target_cfg.dtype,
-                                 int(getattr(self.config, "max_position_embeddings", 4096) or 4096))
+                                 max_length or min(int(getattr(self.config, "max_position_embeddings", 0) or 4096), 4096))
 
     @property
     def embedding(self) -> nn.Embedding:
