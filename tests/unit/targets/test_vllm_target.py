@@ -18,7 +18,8 @@ from dstrain.errors import UserError
 from dstrain.targets.vllm import engine_python, refusal, vllm_layer_ids
 
 ENGINE = ROOT / ".venv-engine" / "bin" / "python"
-needs_engine = pytest.mark.skipif(not ENGINE.is_file(), reason="no .venv-engine (make engine-venv)")
+def needs_engine(test):  # vLLM in its own venv, and (slow) the real SmolLM2 target or a vLLM start-up
+    return pytest.mark.slow(pytest.mark.skipif(not ENGINE.is_file(), reason="no .venv-engine (make engine-venv)")(test))
 REL_TOL = 1e-5  # fp32: max |vLLM − transformers| over max |transformers|, per row (observed ≤ 3e-6)
 # vLLM's CPU attention takes head_dim 32 and up (8 is refused), so the tiny MoE is wider than the other tests' own
 TINY_QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
