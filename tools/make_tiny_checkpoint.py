@@ -64,9 +64,7 @@ def main() -> int:
     except ValueError as exc:
         raise UserError(f"--config is not JSON ({exc})") from None
     hf_config = family_config(args.family, config)
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} is not empty; choose another folder")
+    out = empty_output(args.out)
     if args.block < 1:
         raise UserError(f"--block {args.block} must be ≥ 1")
     shards = args.shards or (1 if args.family in SINGLE_FILE else 4)
@@ -77,10 +75,8 @@ def main() -> int:
         raise UserError(f"--dspark {args.dspark}: give the number of draft layers (≥ 1), or leave it out")
     if args.dspark and hf_config.get("model_type") != "deepseek_v4":
         raise UserError(f"--dspark: a DSpark mtp.* section belongs in a DeepSeek-V4 checkpoint, not {hf_config.get('model_type')}")
-    # written beside `out`, renamed into place when whole: a failure leaves no half-written checkpoint
-    staging = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+
+    def write(staging: Path) -> None:
         write_checkpoint(staging, hf_config, seed=args.seed, shards=shards, fp8_block=args.block if args.fp8 else None,
                          skip=skip, expert_dtype="fp4" if args.fp4_experts else None,
                          dspark={"num_layers": args.dspark} if args.dspark else None)
@@ -88,18 +84,35 @@ def main() -> int:
             from dstrain.testing.tiny_checkpoints import write_tokenizer
 
             print(f"tokenizer fingerprint {write_tokenizer(staging, hf_config['vocab_size'])}")
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    write_whole(out, write)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     size = sum((out / f).stat().st_size for f in files)
     print(f"wrote {out}: {hf_config['model_type']}, {len(files)} safetensors file(s), {size / 2**20:.2f} MiB"
           + (f", FP8 blocks {args.block}x{args.block}" if args.fp8 else "") + (", FP4 experts" if args.fp4_experts else "")
           + (f", a {args.dspark}-layer DSpark drafter in mtp.*" if args.dspark else ""))
     return 0
+
+
+def empty_output(path: str) -> Path:
+    out = Path(path)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} is not empty; choose another folder")
+    return out
+
+
+def write_whole(out: Path, write) -> None:
+    """`write(folder)` beside `out`, renamed into place when whole: a failure leaves no half-written checkpoint."""
+    staging = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write(staging)
+        if out.exists():
+            out.rmdir()  # empty, checked by empty_output
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _release(args) -> int:
@@ -109,20 +122,10 @@ def _release(args) -> int:
         raise UserError(f"--release {args.release}: choose one of {', '.join(WRITERS)}")
     if args.family or args.config:
         raise UserError("--release writes a whole release: drop --family / --config")
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} is not empty; choose another folder")
-    staging = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        _, fingerprint = write_release(args.release, staging, seed=args.seed)
-        if out.exists():
-            out.rmdir()
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    print(f"wrote {out}: a tiny {args.release} release, tokenizer fingerprint {fingerprint}")
+    out = empty_output(args.out)
+    written = []
+    write_whole(out, lambda staging: written.append(write_release(args.release, staging, seed=args.seed)[1]))
+    print(f"wrote {out}: a tiny {args.release} release, tokenizer fingerprint {written[0]}")
     return 0
 
 
