@@ -18,6 +18,7 @@ only. A file holds family-wide keys and a `model_types` table whose entries over
                     (what a serving engine holds; the megatron backend dequantises to BF16)
   checkpoint_rename [old prefix, new prefix]: how the release spells a text-model key (a vision-language release
                     nests its text model: Kimi K2.x under "language_model.", Qwen3.5 under "model.language_model.")
+  config_class      "module:function" registering a config class with AutoConfig (a model_type transformers lacks)
 
 Adding a family is its folder with a family.json; nothing outside the folder names its model_type.
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 FAMILIES_DIR = Path(__file__).resolve().parent / "families"
 KEYS = {"architecture": None, "megatron": None, "megatron_refusal": None, "draft_backbone": None, "drafter_moe": False,
         "prepared_mask": False, "cache": "dynamic", "engines": {}, "released_drafters": [], "name": None,
-        "checkpoint_rename": None, "release_bits": None}
+        "checkpoint_rename": None, "release_bits": None, "config_class": None}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Capabilities:
     released_drafters: list = field(default_factory=list)
     checkpoint_rename: list | None = None
     release_bits: dict | None = None
+    config_class: str | None = None  # "module:function" teaching AutoConfig a model_type transformers lacks
 
     def checkpoint_key(self, key: str) -> str:
         """A text-model key (model.embed_tokens.weight, lm_head.weight) as this family's release spells it."""
@@ -111,6 +113,11 @@ def of_config(config) -> Capabilities | None:
     if found is None and hasattr(config, "get_text_config"):
         found = of(getattr(config.get_text_config(), "model_type", None))
     return found
+
+
+def config_registrars() -> list[str]:
+    """The families' AutoConfig registrations ("module:function"), for whoever reads configs (targets/configs.py)."""
+    return sorted({c.config_class for c in table().values() if c.config_class})
 
 
 def by_architecture(arch: str | None) -> Capabilities | None:

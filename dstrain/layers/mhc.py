@@ -72,6 +72,18 @@ class HyperConnection(nn.Module):
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed, extra
 
 
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Single-pass mHC (DeepSeek-V4.1): the streams [.., n, d] collapsed with a pre-mix [.., n] a preceding sublayer
+    computed, in fp32, cast back once."""
+    return (pre.unsqueeze(-1) * streams.float()).sum(-2).to(streams.dtype)
+
+
+def expand(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Single-pass mHC: post ⊗ out + comb-mixed residual streams (comb[j, k] takes stream j into stream k), in fp32."""
+    mixed = torch.matmul(comb.transpose(-1, -2), streams.float())
+    return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
+
+
 class HyperHead(nn.Module):
     """The final collapse of the n streams into one state (V4's hc_head): a pre-only mapping."""
 

@@ -14,8 +14,22 @@ import torch
 from dstrain.errors import UserError
 
 
+def register_family_configs() -> None:
+    """Config classes families bring for model types transformers lacks (family.json `config_class`), registered
+    with AutoConfig before any config is read."""
+    import importlib
+
+    from dstrain import capabilities
+
+    for path in capabilities.config_registrars():
+        module, _, fn = path.partition(":")
+        getattr(importlib.import_module(module), fn)()
+
+
 def config_from_dict(hf_config: dict):
     from transformers import AutoConfig
+
+    register_family_configs()
 
     kwargs = dict(hf_config)
     model_type = kwargs.pop("model_type", None)
@@ -31,6 +45,7 @@ def load_config(folder: str | Path):
     """The transformers config of a checkpoint folder (one-line UserError if unreadable)."""
     from transformers import AutoConfig
 
+    register_family_configs()
     try:
         return AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as exc:
@@ -41,6 +56,7 @@ def resolve_config(target) -> tuple[object, str]:
     """(config, where it came from) for a recipe's TargetConfig."""
     from transformers import AutoConfig
 
+    register_family_configs()
     if target.source == "random":
         return config_from_dict(target.hf_config), "random init from target.hf_config"
     if target.source == "smollm2_moe":

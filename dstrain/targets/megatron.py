@@ -85,6 +85,7 @@ class MegatronTarget:
         self.model.eval().requires_grad_(False)
         self.dtype = DTYPES[dtype]
         self.p2p = P2PCommunicator(groups.pp, tcfg) if pp > 1 else None
+        self.pp_group = groups.pp
         self.local_captured: torch.Tensor | None = None
         self.final_hidden: torch.Tensor | None = None
 
@@ -103,7 +104,10 @@ class MegatronTarget:
             def hook(_mod, _inp, out, idx=idx):
                 h = out[0] if isinstance(out, tuple) else out
                 grabbed[idx] = self._whole(h if self.readout is None else self.readout(h), T)
-            handles.append(self.model.decoder.layers[idx - self.layer_offset].register_forward_hook(hook))
+            # a family may capture elsewhere than a layer's output (V4.1: the streams entering it)
+            capture = getattr(self.model, "capture_module", None)
+            point = capture(idx - self.layer_offset) if capture else self.model.decoder.layers[idx - self.layer_offset]
+            handles.append(point.register_forward_hook(hook))
         final: dict[str, torch.Tensor] = {}
         if self.last:
             def stop(_mod, _inp, out):
@@ -113,6 +117,7 @@ class MegatronTarget:
         try:
             if not self.first:
                 self.model.set_input_tensor(self.p2p.recv_forward((rows, B, self.stage_width), is_first_stage=False))
+                self._recv_side(rows, B, T + pad)
             input_ids = input_ids.to(self.device)
             position_ids = torch.arange(T + pad, device=self.device).unsqueeze(0).expand(B, -1)
             try:
@@ -122,6 +127,7 @@ class MegatronTarget:
                 out = None
             if not self.last:
                 self.p2p.send_forward(out, is_last_stage=False)
+                self._send_side()
         finally:
             for h in handles:
                 h.remove()
@@ -132,6 +138,28 @@ class MegatronTarget:
         return None
 
     __call__ = forward
+
+    def _recv_side(self, rows: int, B: int, T: int) -> None:
+        """Tensors a family sends beside the streams (V4.1: the fp32 pre-mix and the CSA-2 cache), from the previous
+        stage, in the order its `side_in` lists them."""
+        side_in = getattr(self.model, "side_in", None)
+        if side_in is None:
+            return
+        src = dist.get_global_rank(self.pp_group, self.stage - 1)
+        got = []
+        for shape, dtype in side_in(rows, B, T, self.dtype):
+            t = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
+            dist.recv(t, src=src, group=self.pp_group)
+            got.append(t.bool() if dtype == torch.bool else t)
+        self.model.set_side(got)
+
+    def _send_side(self) -> None:
+        side_out = getattr(self.model, "side_out", None)
+        if side_out is None:
+            return
+        dst = dist.get_global_rank(self.pp_group, self.stage + 1)
+        for t in side_out():
+            dist.send(t.to(torch.uint8) if t.dtype == torch.bool else t, dst=dst, group=self.pp_group)
 
     def _whole(self, h: torch.Tensor, T: int) -> torch.Tensor:
         """megatron's [T, B, …] (this rank's rows under sequence parallelism) -> [B, T, …] of the whole sequence."""
