@@ -10,6 +10,8 @@ only. A file holds family-wide keys and a `model_types` table whose entries over
   megatron_refusal  "module:function" giving the one-line reason megatron-core cannot build it (the hf backend serves it)
   draft_backbone    the drafter backbone `drafter.backbone=auto` builds for DSpark on this target ("v4"); null: generic
   drafter_moe       whether that backbone's layers route experts
+  draft_builder     "module:Class" of that backbone's drafter (V4: V4BlockDrafter; V4.1: V41BlockDrafter)
+  draft_format      the --format it is exported in, the family's own layout (deepseek-v4, deepseek-v41)
   prepared_mask     the hf target may hand transformers a prepared 4-D causal mask (SDPA builds the same one)
   cache             "dynamic" (a bare DynamicCache serves decoding) or "from_config" (the family's own cache classes)
   engines           per engine, per target architecture: {"aux_hidden_states": true/false/null, "read": ..., "source": ...}
@@ -33,7 +35,8 @@ from pathlib import Path
 FAMILIES_DIR = Path(__file__).resolve().parent / "families"
 KEYS = {"architecture": None, "megatron": None, "megatron_refusal": None, "draft_backbone": None, "drafter_moe": False,
         "prepared_mask": False, "cache": "dynamic", "engines": {}, "released_drafters": [], "name": None,
-        "checkpoint_rename": None, "release_bits": None, "config_class": None}
+        "checkpoint_rename": None, "release_bits": None, "config_class": None,
+        "draft_builder": None, "draft_format": None}
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class Capabilities:
     checkpoint_rename: list | None = None
     release_bits: dict | None = None
     config_class: str | None = None  # "module:function" teaching AutoConfig a model_type transformers lacks
+    draft_builder: str | None = None  # "module:Class" building draft_backbone's drafter
+    draft_format: str | None = None  # the --format that drafter is exported in
 
     def checkpoint_key(self, key: str) -> str:
         """A text-model key (model.embed_tokens.weight, lm_head.weight) as this family's release spells it."""

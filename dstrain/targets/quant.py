@@ -28,18 +28,21 @@ def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(x)))
 
 
-def fp8_blocks(w: torch.Tensor, block: tuple[int, int], pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blocks(w: torch.Tensor, block: tuple[int, int], pow2: bool = False,
+               scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, float32 scale_inv [ceil(R/b0), ceil(C/b1)]) with scale_inv = block amax / 448, or with
-    pow2 its power-of-two ceiling (ue8m0: the block's amax then lands in (224, 448])."""
+    pow2 its power-of-two ceiling (ue8m0: the block's amax then lands in (224, 448]); `scale`: use these instead."""
     (R, C), (b0, b1) = w.shape, block
     w = w.float()
     gr, gc = -(-R // b0), -(-C // b1)
-    padded = torch.zeros(gr * b0, gc * b1)
-    padded[:R, :C] = w.abs()
-    amax = padded.view(gr, b0, gc, b1).amax(dim=(1, 3))
-    scale = amax.clamp(min=1e-12) / FP8_MAX
-    if pow2:
-        scale = pow2_ceil(scale)
+    if scale is None:
+        padded = torch.zeros(gr * b0, gc * b1)
+        padded[:R, :C] = w.abs()
+        amax = padded.view(gr, b0, gc, b1).amax(dim=(1, 3))
+        scale = amax.clamp(min=1e-12) / FP8_MAX
+        if pow2:
+            scale = pow2_ceil(scale)
+    scale = scale.float()
     full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:R, :C]
     return (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
@@ -49,16 +52,17 @@ FP4_MAX = 6.0  # largest e2m1 magnitude
 FP4_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # between the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
 
 
-def fp4_blocks(w: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def fp4_blocks(w: torch.Tensor, group: int = FP4_GROUP, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [R, C/2]: two e2m1 codes per byte, column 2j in the low nibble as checkpoint.FP4_LUT reads them;
-    float32 power-of-two scales [R, C/group]): each value rounded to the nearest e2m1 magnitude of w / scale."""
+    float32 power-of-two scales [R, C/group]): each value rounded to the nearest e2m1 magnitude of w / scale;
+    `scale`: use these instead."""
     R, C = w.shape
     if C % group:
         raise UserError(f"a [{R}, {C}] weight cannot be FP4-packed: its {C} columns are not a multiple of {group}")
     w = w.float().view(R, C // group, group)
-    scale = pow2_ceil(w.abs().amax(-1).clamp(min=1e-12) / FP4_MAX)
+    scale = pow2_ceil(w.abs().amax(-1).clamp(min=1e-12) / FP4_MAX) if scale is None else scale.float()
     x = w / scale[..., None]
-    code = torch.bucketize(x.abs(), FP4_MIDPOINTS) | (x < 0).to(torch.int64) << 3  # ties round to the larger magnitude
+    code = torch.bucketize(x.abs(), FP4_MIDPOINTS) | torch.signbit(x).to(torch.int64) << 3  # ties: the larger magnitude; -0 keeps its sign
     code = code.view(R, C)
     packed = (code[:, 0::2] | code[:, 1::2] << 4).to(torch.uint8)
     return packed.view(torch.int8), scale
@@ -119,3 +123,18 @@ def quantise_fp8(folder: str | Path, block: int | tuple[int, int] = 128, skip: l
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
     return count
 
+
+
+def dequantise(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of fp8_blocks' or fp4_blocks' output (the block read off the shapes), as the reader decodes them."""
+    from dstrain.targets.checkpoint import FP4_LUT
+
+    scale = scale.float()
+    if codes.dtype in (torch.int8, torch.uint8):
+        u8 = codes.view(torch.uint8)
+        values = torch.stack([FP4_LUT[(u8 & 0xF).long()], FP4_LUT[(u8 >> 4).long()]], -1).reshape(codes.shape[0], -1)
+    else:
+        values = codes.float()
+    R, C = values.shape
+    b0, b1 = -(-R // scale.shape[0]), -(-C // scale.shape[1])
+    return values * scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:R, :C]

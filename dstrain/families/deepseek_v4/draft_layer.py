@@ -75,10 +75,14 @@ def draft_mask(anchors: torch.Tensor, context_positions: torch.Tensor, gamma: in
 
 
 class V4DraftAttention(nn.Module):
-    def __init__(self, dims: V4DraftDims):
+    """`q_rms`: V4's unweighted per-head query RMSNorm (V4.1 has none); `cache`: what the engines hold for a key
+    (V4.1: FP8 blocks, families/deepseek_v41/cache_quant.py; V4: the keys as computed)."""
+
+    def __init__(self, dims: V4DraftDims, q_rms: bool = True, cache=None):
         super().__init__()
         H, D, g = dims.heads, dims.head_dim, dims.o_groups
         self.heads, self.head_dim, self.groups, self.eps, self.scale = H, D, g, dims.eps, D ** -0.5
+        self.q_rms, self.cache = q_rms, cache
         self.wq_a = nn.Linear(dims.hidden, dims.q_lora, bias=False)
         self.q_norm = RMSNorm(dims.q_lora, dims.eps)
         self.wq_b = nn.Linear(dims.q_lora, H * D, bias=False)
@@ -90,7 +94,8 @@ class V4DraftAttention(nn.Module):
 
     def context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The keys (K = V) the engines write for this layer: kv_norm(wkv(main_x)), RoPE'd; [B, C, d] -> [B, C, D]."""
-        return rotate(self.kv_norm(self.wkv(main_x)), cos, sin)
+        kv = rotate(self.kv_norm(self.wkv(main_x)), cos, sin)
+        return kv if self.cache is None else self.cache(kv)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -98,7 +103,7 @@ class V4DraftAttention(nn.Module):
         mask [B, Q, C + Q] -> [B, Q, d]."""
         B, Q, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, Q, self.heads, self.head_dim)
-        q = rotate(unweighted_rms(q, self.eps), cos[:, :, None], sin[:, :, None])
+        q = rotate(unweighted_rms(q, self.eps) if self.q_rms else q, cos[:, :, None], sin[:, :, None])
         keys = torch.cat([context_kv, self.context_kv(x, cos, sin)], 1)  # the block's own keys: same map, own states
         logits = torch.einsum("bqhd,bkd->bhqk", q, keys).mul(self.scale).masked_fill(~mask[:, None], float("-inf"))
         probs = softmax_with_sinks([logits], self.attn_sink, keys.dtype)[0]
@@ -236,13 +241,13 @@ class V4DraftMoE(nn.Module):
 class V4DraftLayer(nn.Module):
     """mHC(attention) then mHC(MoE) on the block's n streams [B, Q, n, d]."""
 
-    def __init__(self, dims: V4DraftDims, rope: Rope):
+    def __init__(self, dims: V4DraftDims, rope: Rope, attention: nn.Module | None = None):
         super().__init__()
         self.dims, self.rope = dims, rope
         self.attn_hc, self.ffn_hc = (HyperConnection(dims.hidden, dims.hc_mult, dims.hc_iters, dims.hc_eps, dims.eps)
                                      for _ in range(2))
         self.attn_norm = RMSNorm(dims.hidden, dims.eps)
-        self.attn = V4DraftAttention(dims)
+        self.attn = attention if attention is not None else V4DraftAttention(dims)
         self.ffn_norm = RMSNorm(dims.hidden, dims.eps)
         self.ffn = V4DraftMoE(dims)
         self.register_state_dict_post_hook(partial(rename_on_save, HC_NAMES))

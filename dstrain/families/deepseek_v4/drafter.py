@@ -72,6 +72,8 @@ class V4BlockDrafter(nn.Module):
     have the target's shape); `cfg`: the recipe's DrafterConfig (num_layers, mask_token_id, head_rank, confidence,
     sliding_window: it must be V4's, which the packing then applies through key_index)."""
 
+    EXPORT_FORMAT = "deepseek-v4"  # the family format that writes and reads it (export_format.py)
+
     def __init__(self, cfg, spec: TargetSpec, embedding: nn.Embedding, target_config):
         super().__init__()
         from dstrain.errors import UserError

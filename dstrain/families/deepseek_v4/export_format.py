@@ -46,8 +46,8 @@ REQUIRED = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_hea
 
 
 def is_v4_state(state: dict) -> bool:
-    """A V4 DSpark drafter's weights: the engines' mtp.{i}.* names."""
-    return any(k.startswith("mtp.") for k in state)
+    """A V4 DSpark drafter's weights: the engines' mtp.{i}.* names, with V4's Markov names (V4.1 says embed / head)."""
+    return any(k.startswith("mtp.") for k in state) and not any(k.endswith("markov_head.embed.weight") for k in state)
 
 
 def is_v4_folder(config: dict) -> bool:
@@ -55,8 +55,8 @@ def is_v4_folder(config: dict) -> bool:
 
 
 def owns(drafter) -> bool:
-    """A built drafter of this layout (V4BlockDrafter: its draft layers are mtp.{i})."""
-    return hasattr(drafter, "mtp")
+    """A built drafter of this layout (V4BlockDrafter, whose EXPORT_FORMAT names it)."""
+    return getattr(drafter, "EXPORT_FORMAT", None) == FORMAT
 
 
 is_state, is_folder = is_v4_state, is_v4_folder  # the names the family-format registry asks every format for
@@ -66,8 +66,8 @@ def _rel(key: str) -> str:
     return key.split(".", 2)[2]  # the name after mtp.{i}.
 
 
-def _keeps_fp32(rel: str) -> bool:
-    return rel.startswith("hc_") or rel in FP32
+def _keeps_fp32(rel: str, fp32: tuple = FP32) -> bool:
+    return rel.startswith("hc_") or rel in fp32
 
 
 # ---------------------------------------------------------------------------------------------------- export
@@ -121,24 +121,44 @@ def host_scheme(folder: str | Path) -> HostScheme:
     return HostScheme(frozenset(fp8), experts, block, plain if plain is not None else torch.bfloat16)
 
 
-def quantise(state: dict[str, torch.Tensor], scheme: HostScheme) -> dict[str, torch.Tensor]:
-    """The drafter's tensors as the host stores its own; `X.scale` (ue8m0) beside each quantised X.weight."""
+def _on_grid(quantiser, t: torch.Tensor, scale: torch.Tensor | None):
+    """(codes, scale) with a source checkpoint's own scale where `t` is exactly what it dequantises to (a warm-started
+    weight no step has moved: an e4m3 block whose largest code rounded to 224 implies the same values at half the
+    scale, so its scale cannot be recomputed), else None."""
+    from dstrain.targets.quant import dequantise
+
+    if scale is None:
+        return None
+    codes, s = quantiser(t, scale=scale)
+    return (codes, s) if torch.equal(dequantise(codes, s), t.float()) else None
+
+
+def quantise(state: dict[str, torch.Tensor], scheme: HostScheme, fp32: tuple = FP32,
+             source_scales: dict | None = None) -> dict[str, torch.Tensor]:
+    """The drafter's tensors as the host stores its own; `X.scale` (ue8m0) beside each quantised X.weight; `fp32`:
+    the names (after mtp.{i}.) kept in float32 beside every hc_* tensor; `source_scales`: the scales of the
+    checkpoint it was warm-started from, kept for a weight still on their grid (an untouched release drafter exports
+    back bit-exact)."""
+    from functools import partial
+
     from dstrain.targets.quant import fp4_blocks, fp8_blocks
 
-    out = {}
+    out, source_scales = {}, source_scales or {}
     for key, t in state.items():
         t, rel, base = t.detach().cpu(), _rel(key), key.removesuffix(".weight")
         expert = bool(EXPERT.search(rel))
-        if _keeps_fp32(rel):
+        kept = source_scales.get(base + ".scale")
+        if _keeps_fp32(rel, fp32):
             out[key] = t.float().contiguous()
         elif expert and scheme.experts == "fp4":
             try:
-                out[key], scale = fp4_blocks(t)
+                out[key], scale = _on_grid(fp4_blocks, t, kept) or fp4_blocks(t)
             except UserError as exc:
                 raise UserError(f"--format {FORMAT}: {key}: {exc} (the host's experts are FP4)") from None
             out[base + ".scale"] = scale.to(torch.float8_e8m0fnu)
         elif (expert and scheme.experts == "fp8") or (not expert and rel in scheme.fp8):
-            out[key], scale = fp8_blocks(t, scheme.block, pow2=True)
+            fp8 = partial(fp8_blocks, block=scheme.block, pow2=True)
+            out[key], scale = _on_grid(fp8, t, kept) or fp8(t)
             out[base + ".scale"] = scale.to(torch.float8_e8m0fnu)
         else:
             out[key] = t.to(scheme.dtype).contiguous()
@@ -206,6 +226,22 @@ def write_shards(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes
     return {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
 
 
+def source_scales(drafter) -> dict:
+    """The `.scale` tensors of the checkpoint `init` warm-started this drafter from (none for a fresh one)."""
+    return getattr(drafter, "source_scales", None) or {}
+
+
+def read_scales(folder: Path) -> dict[str, torch.Tensor]:
+    """Every mtp.*.scale of a DeepSeek-format folder, as stored."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys() if k.startswith("mtp.") and k.endswith(".scale")})
+    return out
+
+
 def check_layers(num_layers: int, capture_layers: list[int]) -> None:
     if num_layers != len(capture_layers):
         raise UserError(f"--format {FORMAT}: the drafter has {num_layers} draft layers but reads {len(capture_layers)} target "
@@ -214,23 +250,26 @@ def check_layers(num_layers: int, capture_layers: list[int]) -> None:
 
 
 def export(drafter, host_folder: str | Path, out: Path, capture_layers: list[int], binding: dict | None = None,
-           sts: list[float] | None = None, max_shard_bytes: int = 5 << 30) -> tuple[Path, HostScheme]:
-    """Write the drafter folder atomically: shards + model.safetensors.index.json + config.json (staging, rename)."""
+           sts: list[float] | None = None, max_shard_bytes: int = 5 << 30, *, fmt=None) -> tuple[Path, HostScheme]:
+    """Write the drafter folder atomically: shards + model.safetensors.index.json + config.json (staging, rename).
+    `fmt`: the family format module whose owns / engine_config / FP32 apply (default: this one; V4.1's reuses it)."""
     from dstrain.targets.configs import load_config
 
-    if not hasattr(drafter, "mtp"):
-        raise UserError(f"--format {FORMAT}: this is a {type(drafter).__name__}, not a V4 DSpark drafter (one trained on a "
-                        "DeepSeek-V4 target); export it with --format speculators, deepspec or dstrain")
-    check_layers(len(drafter.mtp), capture_layers)
+    fmt = fmt or _this()
+    if not fmt.owns(drafter):
+        raise UserError(f"--format {fmt.FORMAT}: this is a {type(drafter).__name__}, not {fmt.DRAFTER} (one "
+                        f"{fmt.TRAINED_ON}); export it with --format speculators, deepspec or dstrain")
+    fmt.check_layers(len(drafter.mtp), capture_layers)
     host_folder, out = Path(host_folder), Path(out)
     scheme = host_scheme(host_folder)
     raw = json.loads((host_folder / "config.json").read_text())
-    config = engine_config(raw, load_config(host_folder), drafter, capture_layers, scheme, binding)
+    config = fmt.engine_config(raw, load_config(host_folder), drafter, capture_layers, scheme, binding)
     staging = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        index = write_shards(staging, quantise(drafter.state_dict(), scheme), max_shard_bytes)
+        index = write_shards(staging, quantise(drafter.state_dict(), scheme, fmt.FP32, source_scales(drafter)),
+                             max_shard_bytes)
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         if sts:
@@ -244,19 +283,20 @@ def export(drafter, host_folder: str | Path, out: Path, capture_layers: list[int
     return out, scheme
 
 
-def add_to_checkpoint(folder: str | Path, drafter, capture_layers: list[int]) -> HostScheme:
+def add_to_checkpoint(folder: str | Path, drafter, capture_layers: list[int], *, fmt=None) -> HostScheme:
     """A released checkpoint's layout: the drafter's mtp.* (quantised like the checkpoint) in one more shard of the
     checkpoint itself, its keys in the checkpoint's index and config.json (testing/tiny_checkpoints.add_dspark)."""
     from safetensors.torch import save_file
 
     from dstrain.targets.configs import load_config
 
+    fmt = fmt or _this()
     folder = Path(folder)
-    check_layers(len(drafter.mtp), capture_layers)
+    fmt.check_layers(len(drafter.mtp), capture_layers)
     scheme = host_scheme(folder)
     raw = json.loads((folder / "config.json").read_text())
-    config = engine_config(raw, load_config(folder), drafter, capture_layers, scheme, None)
-    tensors = quantise(drafter.state_dict(), scheme)
+    config = fmt.engine_config(raw, load_config(folder), drafter, capture_layers, scheme, None)
+    tensors = quantise(drafter.state_dict(), scheme, fmt.FP32, source_scales(drafter))
     index_path = folder / "model.safetensors.index.json"
     if index_path.is_file():
         index = json.loads(index_path.read_text())
@@ -323,17 +363,18 @@ def holds_target(folder: Path, config: dict) -> bool:
     return any(HOST_LAYER.match(k) for k in keys)
 
 
-def init(drafter, cfg, art, frozen, src: str) -> None:
+def init(drafter, cfg, art, frozen, src: str, *, fmt=None) -> None:
     """drafter.init_from a V4-format drafter: the recipe must build the drafter the folder's config describes (noise
     token, Markov rank, draft layers, capture layers), then every weight by name and shape."""
     from dstrain.targets.fingerprint import head_fingerprint as fingerprint
 
-    if not owns(drafter):
-        raise UserError(f"{src}: a V4 DSpark drafter (mtp.* layout), but this recipe builds a {type(drafter).__name__}: "
-                        "start it on the DeepSeek-V4 target it was trained for")
-    if not is_v4_state(art.state):
-        raise UserError(f"{src}: a {art.drafter_cfg.get('type')} drafter of another layout; this recipe builds a V4 DSpark "
-                        "drafter (mtp.*): start from a V4-format drafter or from scratch")
+    fmt = fmt or _this()
+    if not fmt.owns(drafter):
+        raise UserError(f"{src}: {fmt.DRAFTER} ({fmt.LAYOUT}), but this recipe builds a {type(drafter).__name__}: "
+                        f"start it on the target it was {fmt.TRAINED_ON.removeprefix('trained ')}")
+    if not fmt.is_state(art.state):
+        raise UserError(f"{src}: a {art.drafter_cfg.get('type')} drafter of another layout; this recipe builds "
+                        f"{fmt.DRAFTER} ({fmt.LAYOUT}): start from a {fmt.FORMAT} drafter or from scratch")
     if art.fingerprint is not None and art.fingerprint != fingerprint(frozen):
         raise UserError(f"{src}: trained against a target with fingerprint {art.fingerprint}, this run's target has "
                         f"{fingerprint(frozen)}: start from a drafter of this target")
@@ -352,3 +393,11 @@ def init(drafter, cfg, art, frozen, src: str) -> None:
         raise UserError(f"{src}: weights do not fit this recipe's V4 drafter ({bad[:3]}): the target's shape differs from "
                         "the one it was trained on")
     drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in art.state.items()})
+    if Path(art.source).is_dir():  # kept for export: an untouched weight goes back on its source's own scales
+        object.__setattr__(drafter, "source_scales", read_scales(Path(art.source)))
+
+
+def _this():
+    import sys
+
+    return sys.modules[__name__]

@@ -28,8 +28,8 @@ def test_shipped_recipes_train_what_the_engines_load(path):
     mHC layers no engine format holds, and the recipes without them pass vLLM's and SGLang's export checks as they are
     (what each engine then does on each recipe's target: the plan test below, tests/unit/export/test_engine_rules.py)."""
     cfg = load_recipe(path).drafter
-    if cfg.backbone == "v4":  # V4's own mtp.* layout: --format deepseek-v4 (tests/unit/families/test_v4_format.py), not these formats
-        assert path.stem.startswith("v4_") and cfg.type == "dspark"
+    if cfg.backbone == "v4":  # DeepSeek's own mtp.* layouts: --format deepseek-v4 / deepseek-v41, not these formats
+        assert path.stem.startswith(("v4_", "v41_")) and cfg.type == "dspark"
         return
     verdicts = engines.exportable_to(cfg)
     assert set(verdicts) == {"vllm:speculators", "sglang:deepspec"}

@@ -77,7 +77,7 @@ def test_capabilities_replace_the_old_checks():
     """V4's backbone and caches, transformers' prepared mask, the target's architecture: answered from the folders."""
     from dstrain.export.engines import target_architecture
 
-    assert capabilities.model_types_with(draft_backbone="v4") == ["deepseek_v4"]
+    assert capabilities.model_types_with(draft_backbone="v4") == ["deepseek_v4", "deepseek_v41", "deepseek_v41_text"]
     assert capabilities.model_types_with(cache="from_config") == ["deepseek_v4"]
     assert "deepseek_v3" in capabilities.model_types_with(prepared_mask=True)
     assert "gpt_oss" not in capabilities.model_types_with(prepared_mask=True)

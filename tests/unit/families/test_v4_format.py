@@ -277,7 +277,7 @@ def test_other_formats_refuse_a_v4_drafter(fmt):
     from dstrain.export.formats import to_speculators
 
     with pytest.raises(UserError, match="--format deepseek-v4"):  # behind the check too
-        to_speculators(SimpleNamespace(mtp=[]), None, None, CAPTURE, {}, LAYERS)
+        to_speculators(SimpleNamespace(mtp=[], EXPORT_FORMAT="deepseek-v4"), None, None, CAPTURE, {}, LAYERS)
 
 
 def test_deepseek_v4_refuses_other_drafters_engines_and_layer_counts(hosts, tmp_path):
