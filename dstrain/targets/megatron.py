@@ -188,10 +188,10 @@ def load_megatron_target(target_cfg, groups, seed: int, device: torch.device | s
     """Build this target rank's shard of the recipe's target, reading only its own slices of the checkpoint."""
     from dstrain.targets.folders import checkpoint_folder
     from dstrain.targets.checkpoint import CheckpointReader
-    from dstrain.targets.configs import load_config
+    from dstrain.targets.configs import apply_run_switches, load_config
 
     folder = checkpoint_folder(target_cfg, seed)
-    cfg = load_config(folder)
+    cfg = apply_run_switches(load_config(folder), target_cfg)
     torch.manual_seed(seed)  # megatron's CPU init may draw from the global RNG before our weights overwrite it
     with CheckpointReader(folder, DTYPES[target_cfg.dtype]) as reader:
         target = MegatronTarget(cfg, reader, target_cfg.name, groups, target_cfg.capture_layers, target_cfg.num_capture,

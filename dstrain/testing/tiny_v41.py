@@ -55,23 +55,64 @@ def _value(key: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor
 
 
 def release_tensors(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Every target tensor the release holds (fp32), named as released."""
+    """Every tensor the release holds (fp32), named as released: the target's, and the DSpark stages' (mtp.*)."""
+    from types import SimpleNamespace
+
+    from dstrain.drafters.contract import TargetSpec
+    from dstrain.families.deepseek_v41.drafter import V41BlockDrafter
     from dstrain.families.deepseek_v41.target import rank_plan
     from dstrain.targets.shard_plan import RankCoords
 
     t = cfg.get_text_config()
     at = RankCoords(tp=1, tp_rank=0, ep=1, ep_rank=0, pp=1, stage=0, num_layers=t.num_hidden_layers)
     g = torch.Generator().manual_seed(seed)
+    shapes = {read.key: read.shape for param in rank_plan(cfg, at) for read in param.reads}
+    shapes["head.weight"] = (t.vocab_size, t.hidden_size)
+    for layer in range(t.num_hidden_layers):  # image tokens' routing bias: released, never read by a text target
+        shapes[f"layers.{layer}.ffn.gate.bias_vl"] = (t.n_routed_experts,)
+    spec = TargetSpec(t.hidden_size, t.vocab_size, len(t.dspark_target_layer_ids), t.num_attention_heads, 1,
+                      t.moe_intermediate_size)
+    drafter_cfg = SimpleNamespace(num_layers=t.num_nextn_predict_layers, mask_token_id=t.dspark_noise_token_id,
+                                  head_rank=t.dspark_markov_rank, confidence=True, sliding_window=t.sliding_window,
+                                  ffn=None)
+    drafter = V41BlockDrafter(drafter_cfg, spec, torch.nn.Embedding(t.vocab_size, t.hidden_size), cfg)
+    shapes.update({k: tuple(v.shape) for k, v in drafter.state_dict().items()})
+    return {key: _value(key, shape, g) for key, shape in shapes.items()}
+
+
+FP8_LINEARS = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
+               "shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight",
+               "indexer.wq_b.weight", "engram.wkv.weight", "main_proj.weight")
+
+
+def quantise_as_released(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """V4.1-Flash's storage: FP8 e4m3 linears in 32x32 blocks, FP4 (e2m1, per 32) routed experts, Engram tables FP8
+    per row and 32 columns, all scales ue8m0 (`X.scale`); the rest as is."""
+    import re
+
+    from dstrain.targets.quant import fp4_blocks, fp8_blocks
+
     out = {}
-    for param in rank_plan(cfg, at):
-        for read in param.reads:
-            out[read.key] = _value(read.key, read.shape, g)
-    out["head.weight"] = torch.randn(t.vocab_size, t.hidden_size, generator=g) / t.hidden_size ** 0.5
+    for key, w in tensors.items():
+        base = key.removesuffix(".weight")
+        if re.search(r"ffn\.experts\.\d+\.w[123]\.weight$", key):
+            out[key], scale = fp4_blocks(w)
+        elif key.endswith(FP8_LINEARS) or key.endswith("engram.embed.weight"):
+            block = (1, 32) if key.endswith("engram.embed.weight") else (32, 32)
+            out[key], scale = fp8_blocks(w, block, pow2=True)
+        else:
+            out[key] = w
+            continue
+        out[base + ".scale"] = scale.to(torch.float8_e8m0fnu)
     return out
 
 
-def write_release(folder: str | Path, seed: int = 0, text: dict | None = None) -> Path:
-    """The tiny release at `folder` (fp32, unquantised); returns the folder."""
+QUANTISABLE = dict(moe_intermediate_size=32, engram_head_dim=32)  # FP4 and Engram rows need 32-column multiples
+
+
+def write_release(folder: str | Path, seed: int = 0, text: dict | None = None, quantised: bool = False) -> Path:
+    """The tiny release at `folder` (fp32; `quantised`: stored as V4.1-Flash stores its weights, which needs the
+    QUANTISABLE sizes); returns the folder."""
     from safetensors.torch import save_file
 
     from dstrain.families.deepseek_v41.config import DeepseekV41Config, register
@@ -84,10 +125,16 @@ def write_release(folder: str | Path, seed: int = 0, text: dict | None = None) -
     from transformers import AutoTokenizer
 
     _, count = compressed_vocab(AutoTokenizer.from_pretrained(folder))
-    text = {**TEXT, **(text or {}), "engram_compressed_vocab_size": count}
+    text = {**TEXT, **(QUANTISABLE if quantised else {}), **(text or {}), "engram_compressed_vocab_size": count}
     cfg = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0})
     data = cfg.to_dict()
     data["architectures"] = ["DeepseekV41ForCausalLM"]
+    tensors = release_tensors(cfg, seed)
+    if quantised:
+        tensors = quantise_as_released(tensors)
+        data["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                       "weight_block_size": [32, 32]}
+        data["expert_dtype"] = "fp4"
     (folder / "config.json").write_text(json.dumps(data, indent=2))
-    save_file({k: v.contiguous() for k, v in release_tensors(cfg, seed).items()}, str(folder / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     return folder

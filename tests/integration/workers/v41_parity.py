@@ -2,7 +2,7 @@
 release of dstrain/testing/tiny_v41.py, every feature on) — and, given AutoModel's outputs (`--refs DIR`, written by
 tools/reference_check/automodel_side.py for the same folder and batches), equals NeMo AutoModel's V4.1 too.
 
-`torchrun --nproc-per-node 4 tests/integration/workers/v41_parity.py FOLDER [--refs DIR]`. Phases on one launch:
+`torchrun --nproc-per-node 4 tests/integration/workers/v41_parity.py FOLDER [--refs DIR] [--cache-quant-off]`. Phases on one launch:
 every rank alone (the single-process reference, and the batch of each data-parallel index); TP=2 beside PP=2 with
 the cut after layer 2 (layer 3 reindexes layer 1's cache on the next stage); PP=2 cut after the candidate source
 (layer 5 reuses, layer 6 restricts to candidates across the cut) beside EP=2; TP=2 × EP=2 × PP=2 (cut after 4).
@@ -40,7 +40,12 @@ PHASES = [
 ALONE = Layout(tp=1, pp=1, dp=4, ep=1, drafters=0, disaggregated=True)
 
 
+REFS: str | None = None  # --refs DIR: the batches are the ones AutoModel ran (DIR/in{dp}.pt)
+
+
 def batch(dp: int) -> torch.Tensor:
+    if REFS:
+        return torch.load(os.path.join(REFS, f"in{dp}.pt"), weights_only=False)["input_ids"]
     return torch.randint(0, 128, SEQ, generator=torch.Generator().manual_seed(1 + dp))
 
 
@@ -67,17 +72,19 @@ def automodel_ref(refs: str | None, dp: int) -> dict | None:
     """AutoModel's streams entering each layer, reduced as the drafter reads them (their mean), and its final norm."""
     if not refs:
         return None
-    out = torch.load(os.path.join(refs, f"batch{dp}.pt"))
+    out = torch.load(os.path.join(refs, f"batch{dp}.pt"), weights_only=False)  # our own tool wrote it
     return {"captured": torch.stack([out["streams_in"][i].mean(2) for i in CAPTURE], 2), "final": out["final_hidden"]}
 
 
 def main() -> None:
     folder = sys.argv[1]
-    refs = sys.argv[sys.argv.index("--refs") + 1] if "--refs" in sys.argv else None
+    global REFS
+    refs = REFS = sys.argv[sys.argv.index("--refs") + 1] if "--refs" in sys.argv else None
     v4_blocks.QUERY_BLOCK = 8  # several query blocks per sequence
     dist.init_process_group("gloo")
     report = {"patches": cpu_compat.apply()}
     cfg = load_config(folder)
+    cfg.get_text_config().dstrain_cache_quant = "--cache-quant-off" not in sys.argv  # the target's one switch
     alone = target_process_groups(ALONE)
     single = {}
     for dp in (0, 1):
