@@ -30,7 +30,7 @@ COMMANDS: Table = {
         "pack": ("data_pack", "check, compress and describe a regenerated corpus for shipping"),
     },
     "upcycle": ("upcycle", "sparse-upcycle a dense Llama-style model into a Mixtral-format MoE target"),
-    "export": ("export", "export a trained drafter (dstrain, speculators/vLLM, deepspec/SGLang, sglang-eagle3, deepseek-v4 formats)"),
+    "export": ("export", "export a trained drafter (dstrain, speculators/vLLM, deepspec/SGLang, sglang-eagle3, deepseek-v4, deepseek-v41 formats)"),
     "eval": ("evaluate", "speculative decoding against the target: accepted length tau per domain, speed"),
     "calibrate": ("calibrate", "Sequential Temperature Scaling of a confidence head on held-out rollouts"),
     "table": ("table", "reproduce the paper's tau table: every drafter family trained and evaluated on one budget"),

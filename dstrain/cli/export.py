@@ -20,6 +20,11 @@ loaders; no engine was run here. The reference to compare a served drafter with:
 acceptance, 4.42 tokens/round on the V4-Flash preview at gamma=5. Other formats refuse a V4 drafter, and
 deepseek-v4 refuses any other.
 
+--format deepseek-v41 writes a V4.1 DSpark drafter (one trained on a DeepSeek-V4.1 target) in V4.1's own mtp.* layout,
+the names vLLM's V4.1 DSpark loader (vllm/models/deepseek_v41/nvidia/dspark.py @ 0f6c0f5a) and NeMo AutoModel 0.7.0's
+DSpark adapter read (make reference-check loads one into AutoModel), its keys in the host's text_config; a drafter
+warm-started from a release's own mtp.* (drafter.init_from) and not moved since goes back bit-exact.
+
 dstrain eval and dstrain calibrate load the folder without the training recipe; loading it against
 another target is a one-line error. Of the target, export reads its config and the two tensors a drafter is bound to
 (embedding and LM head, straight from its safetensors), whatever backend trained the drafter.
@@ -35,15 +40,17 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", help="training run folder (or an export folder, to re-export)")
     ap.add_argument("out", help="folder to write (replaced atomically)")
-    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3", "deepseek-v4"],
+    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3", "deepseek-v4",
+                                                          "deepseek-v41"],
                     help="dstrain: our own folder; speculators: the format vLLM loads (DSpark, DFlash, Eagle3, MTP-1); deepspec: "
                          "the DSpark layout SGLang's DSparkDraftModel reads; sglang-eagle3: SGLang's own Eagle3 layout "
                          "(see dstrain/export/formats.py); deepseek-v4: a V4 DSpark drafter as vLLM "
                          "DSparkDeepseekV4ForCausalLM (@ 03435722) and SGLang DeepseekV4ForCausalLMDSpark (@ 00e5caa8) "
-                         "load it, quantised like the target (dstrain/families/deepseek_v4/export_format.py). Default: %(default)s")
+                         "load it, quantised like the target (dstrain/families/deepseek_v4/export_format.py); deepseek-v41: the same "
+                         "for V4.1 (dstrain/families/deepseek_v41/export_format.py). Default: %(default)s")
     ap.add_argument("--engine", choices=["vllm", "sglang", "speculators", "dstrain"],
                     help="the program that will load the export (default: the format's: speculators -> vllm, deepspec and "
-                         "sglang-eagle3 -> sglang, deepseek-v4 -> vllm); what it cannot load is refused before any weights "
+                         "sglang-eagle3 -> sglang, deepseek-v4 and deepseek-v41 -> vllm); what it cannot load is refused before any weights "
                          "load; every engine's verdict on the target is printed after (dstrain/export/engines.py)")
     ap.add_argument("--recipe", help="training recipe, for run folders written before runs kept their recipe.yaml")
     return ap

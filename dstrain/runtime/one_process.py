@@ -35,6 +35,7 @@ class OneProcessTarget:
         groups = target_process_groups(Layout(tp=1, pp=1, dp=1, ep=1, drafters=0, disaggregated=True))
         self._inner = load_megatron_target(target_cfg, groups, seed)
         parts = load_frozen_parts(target_cfg, seed)
+        self.config = parts.config  # the text config (with the run switches): what a drafter is built against
         self.name, self.capture_layers = target_cfg.name, list(self._inner.capture_layers)
         self.hidden_size, self.vocab_size = self._inner.hidden_size, self._inner.vocab_size
         self.num_layers = self._inner.num_layers

@@ -41,7 +41,8 @@ class FrozenParts:
 
 
 def from_target(target) -> FrozenParts:
-    config = target.model.config.get_text_config() if hasattr(target, "model") else target.config  # vLLM-served: none
+    # a transformers model's text config; a target holding its own (vLLM-served, a one-process megatron replica): that
+    config = target.config if hasattr(target, "config") else target.model.config.get_text_config()
     return FrozenParts(config, target.embedding, target.lm_head, list(target.capture_layers), target.name)
 
 

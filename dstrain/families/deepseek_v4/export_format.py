@@ -121,16 +121,19 @@ def host_scheme(folder: str | Path) -> HostScheme:
     return HostScheme(frozenset(fp8), experts, block, plain if plain is not None else torch.bfloat16)
 
 
-def _on_grid(quantiser, t: torch.Tensor, scale: torch.Tensor | None):
-    """(codes, scale) with a source checkpoint's own scale where `t` is exactly what it dequantises to (a warm-started
-    weight no step has moved: an e4m3 block whose largest code rounded to 224 implies the same values at half the
-    scale, so its scale cannot be recomputed), else None."""
+def _quantised(quantiser, t: torch.Tensor, scale: torch.Tensor | None):
+    """(codes, scale): on a source checkpoint's own scale where that represents `t` at least as well as a recomputed
+    one, else recomputed. A warm-started weight no step has moved goes back bit-exact this way (recomputing cannot:
+    an e4m3 block whose largest code rounded to 224, or an e2m1 group's to 3, holds the same values at half the
+    scale), and scales stay put while fine-tuning keeps a block in range."""
     from dstrain.targets.quant import dequantise
 
+    fresh = quantiser(t)
     if scale is None:
-        return None
-    codes, s = quantiser(t, scale=scale)
-    return (codes, s) if torch.equal(dequantise(codes, s), t.float()) else None
+        return fresh
+    kept = quantiser(t, scale=scale)
+    err = [(dequantise(*q) - t.float()).abs().max() for q in (kept, fresh)]
+    return kept if err[0] <= err[1] else fresh
 
 
 def quantise(state: dict[str, torch.Tensor], scheme: HostScheme, fp32: tuple = FP32,
@@ -152,13 +155,13 @@ def quantise(state: dict[str, torch.Tensor], scheme: HostScheme, fp32: tuple = F
             out[key] = t.float().contiguous()
         elif expert and scheme.experts == "fp4":
             try:
-                out[key], scale = _on_grid(fp4_blocks, t, kept) or fp4_blocks(t)
+                out[key], scale = _quantised(fp4_blocks, t, kept)
             except UserError as exc:
                 raise UserError(f"--format {FORMAT}: {key}: {exc} (the host's experts are FP4)") from None
             out[base + ".scale"] = scale.to(torch.float8_e8m0fnu)
         elif (expert and scheme.experts == "fp8") or (not expert and rel in scheme.fp8):
             fp8 = partial(fp8_blocks, block=scheme.block, pow2=True)
-            out[key], scale = _on_grid(fp8, t, kept) or fp8(t)
+            out[key], scale = _quantised(fp8, t, kept)
             out[base + ".scale"] = scale.to(torch.float8_e8m0fnu)
         else:
             out[key] = t.to(scheme.dtype).contiguous()
@@ -226,9 +229,14 @@ def write_shards(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes
     return {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
 
 
-def source_scales(drafter) -> dict:
-    """The `.scale` tensors of the checkpoint `init` warm-started this drafter from (none for a fresh one)."""
-    return getattr(drafter, "source_scales", None) or {}
+def source_scales(drafter, binding: dict | None = None) -> dict:
+    """The `.scale` tensors of the checkpoint this drafter was warm-started from: kept by `init` in this process, else
+    read again from the run's drafter.init_from (none for a fresh drafter)."""
+    kept = getattr(drafter, "source_scales", None)
+    if kept:
+        return kept
+    src = ((binding or {}).get("drafter") or {}).get("init_from")
+    return read_scales(Path(src)) if src and Path(src).is_dir() else {}
 
 
 def read_scales(folder: Path) -> dict[str, torch.Tensor]:
@@ -268,7 +276,7 @@ def export(drafter, host_folder: str | Path, out: Path, capture_layers: list[int
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        index = write_shards(staging, quantise(drafter.state_dict(), scheme, fmt.FP32, source_scales(drafter)),
+        index = write_shards(staging, quantise(drafter.state_dict(), scheme, fmt.FP32, source_scales(drafter, binding)),
                              max_shard_bytes)
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
