@@ -34,6 +34,9 @@ SCALE_SUFFIXES = (".weight_scale_inv", ".scale")  # transformers renames V4-Flas
 # (no "model." prefix, `embed`, `hc_head_fn`: transformers' conversion_mapping "deepseek_v4"). A key absent from the
 # checkpoint is looked up under these variants, first match wins.
 KEY_VARIANTS = (("model.embed_tokens.", "embed."), ("model.hc_head.hc_", "hc_head_"), ("model.", ""))
+# and inside a name: transformers saves V4's attention kv_norm as `attn.norm` (its conversion_mapping reverses a
+# generic `.norm.` -> `.kv_norm.` rename onto it); DeepSeek's release says `attn.kv_norm`
+INFIX_VARIANTS = ((".attn.norm.", ".attn.kv_norm."),)
 QUANT_METHODS = ("fp8", compressed_tensors.METHOD, "mxfp4")
 # MXFP4 (gpt-oss's experts, transformers' integrations/mxfp4.py): a plan's `X` is stored as X_blocks uint8
 # [..., R, C/32, 16] (two e2m1 codes per byte, the even column in the low nibble) and X_scales uint8 [..., R, C/32]
@@ -130,9 +133,13 @@ class CheckpointReader:
         """The checkpoint's own name for `key` (itself, or a KEY_VARIANTS spelling), None if absent."""
         if key in self._where:
             return key
-        for plan_prefix, disk_prefix in KEY_VARIANTS:
-            if key.startswith(plan_prefix) and disk_prefix + key[len(plan_prefix):] in self._where:
-                return disk_prefix + key[len(plan_prefix):]
+        spellings = [key] + [key.replace(a, b) for a, b in INFIX_VARIANTS if a in key]
+        for name in spellings:
+            if name in self._where:
+                return name
+            for plan_prefix, disk_prefix in KEY_VARIANTS:
+                if name.startswith(plan_prefix) and disk_prefix + name[len(plan_prefix):] in self._where:
+                    return disk_prefix + name[len(plan_prefix):]
         if key.endswith(".weight") and self.int4_group:  # compressed-tensors stores X.weight as X.weight_packed
             return self._resolve(key + "_packed")
         if self.quant.get("quant_method") == "mxfp4" and key + MXFP4_BLOCKS in self._where:

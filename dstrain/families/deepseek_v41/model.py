@@ -79,6 +79,32 @@ class V41Block(MegatronModule):
 STATE_FIELDS = ("kv", "index_keys", "picks", "candidates")
 
 
+def carried_state(cfg, first: int) -> dict:
+    """What the CSA-2 state holds entering layer `first`, from the schedule alone: {field: its compress ratio}. A
+    full layer before `first` leaves its cache, index keys and picks; the candidate source, its candidate blocks."""
+    full = [i for i in cfg.kv_source_layer_ids if i < first]
+    if not full:
+        return {}
+    ratio = cfg.ratio(full[-1])
+    out = dict.fromkeys(("kv", "index_keys", "picks"), ratio)
+    if 0 <= cfg.candidate_source_layer_id < first:
+        out["candidates"] = ratio
+    return out
+
+
+def side_shapes(cfg, dims: V41Dims, first: int, rows: int, B: int, T: int, dtype) -> list[tuple[tuple, torch.dtype]]:
+    """What a cut before layer `first` sends beside the streams: the fp32 pre-mix [rows, B, n], then the state's
+    tensors (tools/bench_v41_cuts.py sizes them at real scale)."""
+    shapes = [((rows, B, dims.hc_mult), torch.float32)]
+    carried = carried_state(cfg, first)
+    if carried:
+        n = T // carried["kv"]
+        widths = {"kv": ((B, n, dims.head_dim), dtype), "index_keys": ((B, n, dims.index_dim), dtype),
+                  "picks": ((B, T, min(dims.index_topk, n)), torch.long), "candidates": ((B, T, n), torch.bool)}
+        shapes += [widths[f] for f in STATE_FIELDS if f in carried]
+    return shapes
+
+
 class V41Model(MegatronModule):
     """One pipeline stage (first: embedding; last: the final collapse and norm, no LM head)."""
 
@@ -113,28 +139,9 @@ class V41Model(MegatronModule):
         return self.decoder.layers[local].capture
 
     # ------------------------------------------------------------------ what crosses a pipeline cut
-    def carried(self) -> dict:
-        """What the state holds entering this stage's first layer, from the schedule alone: {field: ratio}."""
-        cfg, first = self.cfg, self.offset
-        full = [i for i in cfg.kv_source_layer_ids if i < first]
-        if not full:
-            return {}
-        out = {"kv": cfg.ratio(full[-1]), "index_keys": cfg.ratio(full[-1]), "picks": cfg.ratio(full[-1])}
-        if 0 <= cfg.candidate_source_layer_id < first:
-            out["candidates"] = cfg.ratio(full[-1])
-        return out
-
     def side_in(self, rows: int, B: int, T: int, dtype) -> list[tuple[tuple, torch.dtype]]:
         """(shape, dtype) of each tensor a stage receives beside the streams, in order."""
-        d = self.dims
-        shapes = [((rows, B, d.hc_mult), torch.float32)]
-        carried = self.carried()
-        if carried:
-            n = T // carried["kv"]
-            widths = {"kv": ((B, n, d.head_dim), dtype), "index_keys": ((B, n, d.index_dim), dtype),
-                      "picks": ((B, T, min(d.index_topk, n)), torch.long), "candidates": ((B, T, n), torch.bool)}
-            shapes += [widths[f] for f in STATE_FIELDS if f in carried]
-        return shapes
+        return side_shapes(self.cfg, self.dims, self.offset, rows, B, T, dtype)
 
     def set_side(self, tensors: list[torch.Tensor]) -> None:
         self.incoming = tensors
@@ -157,7 +164,7 @@ class V41Model(MegatronModule):
         else:
             streams = self.input_tensor.view(-1, B, n, d)
             pre, *rest = self.incoming
-            carried = self.carried()
+            carried = carried_state(self.cfg, self.offset)
             state = CacheState(ratio=next(iter(carried.values()), 0),
                                **dict(zip([f for f in STATE_FIELDS if f in carried], rest)))
         rows = None

@@ -70,6 +70,10 @@ class DeepseekV41Adapter:
             if n % tp:
                 raise UserError(f"world.target.tp={tp} must divide the target's {what} ({n})")
         check_stages(t.num_hidden_layers, pp, pipeline_layers, free_middle=True)
+        if pipeline_layers and min(pipeline_layers) < 1:  # a cut forwards the CSA-2 caches through a stage's layers
+            raise UserError(f"world.target.pipeline_layers={list(pipeline_layers)}: every DeepSeek-V4.1 stage needs at "
+                            "least one layer (the streams and the shared caches pass through each stage); drop the "
+                            "empty stage and lower world.target.pp")
         if t.n_routed_experts % ep:
             raise UserError(f"world.target.ep={ep} must divide the target's {t.n_routed_experts} routed experts")
 

@@ -165,6 +165,20 @@ def test_v4_flash_scales_ue8m0_and_fp4_experts_match_transformers(tmp_path):
             assert reader.bytes_read - before == reader.disk_bytes(r)
 
 
+def test_deepseek_release_spellings_are_found(tmp_path):
+    """A plan names tensors as transformers saves them; DeepSeek's release drops `model.`, says `embed`,
+    `hc_head_fn` and, inside a layer, `attn.kv_norm` where transformers' V4 writes `attn.norm` (found by running
+    NeMo AutoModel's V4 on a release copy: tools/reference_check/v4_compare.py)."""
+    names = ["embed.weight", "hc_head_fn", "layers.0.attn.kv_norm.weight", "layers.0.attn.wq_a.weight"]
+    save_file({n: torch.full((2, 2), float(i)) for i, n in enumerate(names)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    with CheckpointReader(tmp_path, torch.float32) as reader:
+        for i, plan_key in enumerate(["model.embed_tokens.weight", "model.hc_head.hc_fn", "model.layers.0.attn.norm.weight",
+                                      "model.layers.0.attn.wq_a.weight"]):
+            assert torch.equal(reader.read(Read(plan_key, (2, 2))), torch.full((2, 2), float(i))), plan_key
+        assert "model.layers.0.attn.wkv.weight" not in reader
+
+
 def test_peak_rss_grows_by_one_tensor_not_by_the_model(tmp_path):
     """One rank (TP2×EP2×PP2) of a checkpoint with MB-sized tensors: VmHWM over a baseline taken after the
     imports and the destination parameters grows by at most the largest single read + 16 MiB."""
