@@ -1,7 +1,8 @@
 """DeepSeek-V4 three-way reference check (dstrain's venv): the SAME tiny V4 weights run by
 
   (a) transformers' DeepseekV4ForCausalLM (dstrain's HFTarget, indexer ties to the lower entry index),
-  (b) dstrain's megatron-core V4 target (MegatronTarget, one process, a world of one gloo rank, TP=PP=EP=1),
+  (b) dstrain's megatron-core V4 target (MegatronTarget, one process, a world of one gloo rank, TP=PP=EP=1), reading
+      the same release-layout copy AutoModel reads (transformers' config: transformers cannot parse the release's),
   (c) NeMo AutoModel 0.7.0's deepseek_v4 (tools/reference_check/automodel_side.py in .venv-automodel, reading a
       release-layout copy written by tools/reference_check/v4_release.py).
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         patches = cpu_compat.apply()
         groups = target_process_groups(Layout(tp=1, pp=1, dp=1, ep=1, drafters=0, disaggregated=True))
         torch.manual_seed(0)
-        with CheckpointReader(str(hf_dir), torch.float32) as reader:
+        with CheckpointReader(str(rel_dir), torch.float32) as reader:  # the release copy AutoModel reads: one checkpoint
             tgt = MegatronTarget(hf.config, reader, "v4", groups, capture_layers=CAPTURE)
         with torch.no_grad():
             tgt(ids)
