@@ -37,7 +37,7 @@ _V4_TINY = dict(hidden_size=64, num_attention_heads=4, head_dim=32, partial_rota
 @dataclass(frozen=True)
 class StepConfig:
     family: str
-    backbone: str  # generic | v4
+    backbone: str  # generic | v4 | v41 (the recipe's backbone v4 on a V4.1 target)
     ffn: str  # dense | moe
     layout: str  # BlockGroups | FlexBlocks | chain
     precision: str = "bf16"
@@ -60,6 +60,7 @@ def drafter_configs() -> list[StepConfig]:
             for layout in (("chain",) if family in _CHAIN else tuple(_LAYOUTS)):
                 out.append(StepConfig(family, "generic", ffn, layout))
     out.append(StepConfig("dspark-markov", "v4", "moe", "BlockGroups"))  # V4's draft layers: MoE, windowed
+    out.append(StepConfig("dspark-markov", "v41", "moe", "BlockGroups"))  # V4.1's: FP8 keys, single-pass mHC
     return out
 
 
@@ -71,7 +72,7 @@ def _recipe(cfg: StepConfig):
 
     path = resolve_recipe_path("tiny_moe")
     recipe = load_recipe(path, cfg.overrides())
-    if cfg.backbone != "v4":
+    if cfg.backbone not in ("v4", "v41"):
         return recipe
     # backbone auto builds V4's draft layers on the V4 target config drafter_step passes: they take its shape, so the
     # generic backbone's shape keys go
@@ -102,6 +103,18 @@ def _meta_modules(cfg: StepConfig, recipe, dtype: torch.dtype):
     if cfg.backbone == "v4":
         tcfg = DeepseekV4Config(**_V4_TINY)
         spec = TargetSpec(tcfg.hidden_size, tcfg.vocab_size, 3, tcfg.num_attention_heads, 1, tcfg.moe_intermediate_size)
+    elif cfg.backbone == "v41":
+        from dstrain.families.deepseek_v41.config import DeepseekV41Config
+
+        keep = ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "sliding_window", "vocab_size", "swiglu_limit")
+        tcfg = DeepseekV41Config(text_config={
+            **{k: _V4_TINY[k] for k in keep}, "qk_rope_head_dim": 16, "num_hidden_layers": 1, "compress_ratios": [0],
+            "kv_source_layer_ids": [], "index_source_layer_ids": [], "candidate_source_layer_id": -1,
+            "engram_layer_ids": [], "dspark_target_layer_ids": [0], "dspark_n_routed_experts": 4,
+            "dspark_num_experts_per_tok": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "dspark_noise_token_id": 511})
+        t = tcfg.get_text_config()
+        spec = TargetSpec(t.hidden_size, t.vocab_size, 3, t.num_attention_heads, 1, t.moe_intermediate_size)
     else:
         tcfg = AutoConfig.for_model(**recipe.target.hf_config)
         spec = TargetSpec(tcfg.hidden_size, tcfg.vocab_size, recipe.target.num_capture or 3, tcfg.num_attention_heads,

@@ -17,7 +17,8 @@ def test_every_configuration_reads_nothing_from_the_host():
     configs = M.drafter_configs()
     assert {c.family for c in configs} == {"dspark-markov", "dspark-rnn", "dspark-mhc", "dflash", "eagle3", "mtp"}
     assert {(c.backbone, c.ffn, c.layout) for c in configs if c.family == "dspark-markov"} == {
-        ("generic", f, lay) for f in ("dense", "moe") for lay in ("BlockGroups", "FlexBlocks")} | {("v4", "moe", "BlockGroups")}
+        ("generic", f, lay) for f in ("dense", "moe") for lay in ("BlockGroups", "FlexBlocks")} | {
+        ("v4", "moe", "BlockGroups"), ("v41", "moe", "BlockGroups")}
     found = {}
     for cfg in configs:
         found[f"step {cfg.name}"] = M.drafter_step(cfg).report()
