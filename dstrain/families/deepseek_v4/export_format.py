@@ -199,6 +199,11 @@ def engine_config(raw: dict, hf, drafter, capture_layers: list[int], scheme: Hos
     block_size = getattr(drafter.cfg, "block_size", None)
     if block_size is not None:
         config["dspark_block_size"] = int(block_size)
+    return with_quant_and_binding(config, raw, scheme, binding)
+
+
+def with_quant_and_binding(config: dict, raw: dict, scheme: HostScheme, binding: dict | None) -> dict:
+    """The host's quantization_config with the scale format written (when the drafter is quantised), and our section."""
     if scheme.fp8 or scheme.experts != "plain":
         config["quantization_config"] = {**(raw.get("quantization_config") or {"quant_method": "fp8", "fmt": "e4m3"}),
                                          "scale_fmt": "ue8m0", "weight_block_size": list(scheme.block)}

@@ -103,6 +103,13 @@ class V4Block(MegatronModule):
         self.final_layernorm = RMSNorm(dims.hidden, dims.eps) if post_process else None
 
 
+def stage_embedding(config, dims, pg_collection, sequence_parallel: bool) -> VocabParallelEmbedding:
+    """The first stage's embedding, split by vocabulary rows; under sequence parallelism it reduce-scatters its output
+    along the sequence (V4 and V4.1)."""
+    return VocabParallelEmbedding(dims.vocab, dims.hidden, init_method=config.init_method,
+                                  reduce_scatter_embeddings=sequence_parallel, config=config, tp_group=pg_collection.tp)
+
+
 class V4Model(MegatronModule):
     """One pipeline stage of DeepSeek-V4 (first: embedding; last: hc head + final norm, no LM head). Under sequence
     parallelism (config.sequence_parallel) the streams between layers and stages hold this tensor rank's 1/tp of the
@@ -119,9 +126,7 @@ class V4Model(MegatronModule):
         self.tp_group = pg_collection.tp
         self.sequence_parallel = config.sequence_parallel and self.tp_group.size() > 1
         if self.pre_process:
-            self.embedding = VocabParallelEmbedding(dims.vocab, dims.hidden, init_method=config.init_method,
-                                                    reduce_scatter_embeddings=self.sequence_parallel, config=config,
-                                                    tp_group=pg_collection.tp)
+            self.embedding = stage_embedding(config, dims, pg_collection, self.sequence_parallel)
         offset, count = coords.layer_offset, coords.layers_per_stage  # this stage's rows of the stage table
         self.decoder = V4Block(config, layer_specs[offset:offset + count], offset, dims, self.post_process,
                                pg_collection)

@@ -148,9 +148,7 @@ def _compressor(src: str, dst: str, d: int, head_dim: int, rate: int, overlap: b
 
 def rank_plan(cfg, at: RankCoords) -> list[Param]:
     """Each megatron parameter of this rank from the published keys (model.layers.L.attn.wq_a.weight, …)."""
-    d, tp, r = cfg.hidden_size, at.tp, at.tp_rank
-    H, D, g, q_lora, o_lora = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.q_lora_rank, cfg.o_lora_rank
-    E, F_, n = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hc_mult
+    d, tp, r, n, D, q_lora = cfg.hidden_size, at.tp, at.tp_rank, cfg.hc_mult, cfg.head_dim, cfg.q_lora_rank
     rates = cfg.compress_rates
     plan: list[Param] = []
     if at.first:
@@ -164,20 +162,7 @@ def rank_plan(cfg, at: RankCoords) -> list[Param]:
         layer = at.layer_offset + local
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
         a, m = src + "attn.", dst + "self_attention."
-        for hc, name in (("attn", "attn_hc"), ("ffn", "ffn_hc")):
-            plan += [Param(f"{dst}{name}.fn", [full(f"{src}hc_{hc}_fn", ((2 + n) * n, n * d))]),
-                     Param(f"{dst}{name}.base", [full(f"{src}hc_{hc}_base", ((2 + n) * n,))]),
-                     Param(f"{dst}{name}.scale", [full(f"{src}hc_{hc}_scale", (3,))])]
-        plan += [Param(dst + "input_layernorm.weight", [full(src + "attn_norm.weight", (d,))]),
-                 Param(dst + "pre_mlp_layernorm.weight", [full(src + "ffn_norm.weight", (d,))]),
-                 Param(m + "linear_q_down_proj.weight", [full(a + "wq_a.weight", (q_lora, d))]),
-                 Param(m + "q_layernorm.weight", [full(a + "q_norm.weight", (q_lora,))]),
-                 Param(m + "linear_q_up_proj.weight", [rows(a + "wq_b.weight", (H * D, q_lora), tp, r)]),
-                 Param(m + "linear_kv.weight", [full(a + "wkv.weight", (D, d))]),
-                 Param(m + "kv_layernorm.weight", [full(a + "norm.weight", (D,))]),
-                 Param(m + "linear_o_a.weight", [rows(a + "wo_a.weight", (g * o_lora, H * D // g), tp, r)]),
-                 Param(m + "linear_proj.weight", [rows(a + "wo_b.weight", (d, g * o_lora), tp, r, dim=1)]),
-                 Param(m + "sinks", [rows(a + "attn_sink", (H,), tp, r)])]
+        plan += layer_core_plan(cfg, src, dst, at)
         kind = cfg.layer_types[layer]
         if kind == "compressed_sparse_attention":
             rate, ci, hi = rates[kind], cfg.index_head_dim, cfg.index_n_heads
@@ -189,24 +174,57 @@ def rank_plan(cfg, at: RankCoords) -> list[Param]:
         elif kind == "heavily_compressed_attention":
             plan += _compressor(a + "compressor.", m + "compressor.", d, D, rates[kind], False)
         f, mlp = src + "ffn.", dst + "mlp."
-        plan.append(Param(mlp + "router.weight", [full(f + "gate.weight", (E, d))]))
         if cfg.mlp_layer_types[layer] == "hash_moe":
             table = (cfg.vocab_size, cfg.num_experts_per_tok)
             plan.append(Param(mlp + "router.tid2eid", [full(f + "gate.tid2eid", table)]))
+            plan += moe_plan(cfg, src, dst, at, bias=False)
         else:
-            plan.append(Param(mlp + "router.expert_bias", [full(f + "gate.bias", (E,))]))
-        per = E // at.ep
-        for j in range(per):  # expert parallel: this rank's experts, whole
-            e, x = f"{f}experts.{at.ep_rank * per + j}.", f"{mlp}experts.local_experts.{j}."
-            gate_up = [full(e + "w1.weight", (F_, d)), full(e + "w3.weight", (F_, d))]
-            plan += [Param(x + "linear_fc1.weight", gate_up, cat0),
-                     Param(x + "linear_fc2.weight", [full(e + "w2.weight", (d, F_))])]
-        s = f + "shared_experts."
-        plan += [Param(mlp + "shared_experts.linear_fc1.weight", [rows(s + "w1.weight", (F_, d), tp, r),
-                                                                  rows(s + "w3.weight", (F_, d), tp, r)], cat0),
-                 Param(mlp + "shared_experts.linear_fc2.weight", [rows(s + "w2.weight", (d, F_), tp, r, dim=1)])]
+            plan += moe_plan(cfg, src, dst, at)
     return plan
 
 
+def layer_core_plan(cfg, src: str, dst: str, at: RankCoords, kv_norm: str = "norm.weight") -> list[Param]:
+    """One layer's mHC mixers, norms and attention core (q/kv latents, grouped output, sinks) from V4-style names under
+    `src` (V4.1 shares them; transformers' V4 names the kv norm `attn.norm`, DeepSeek's release `attn.kv_norm`)."""
+    d, tp, r, n = cfg.hidden_size, at.tp, at.tp_rank, cfg.hc_mult
+    H, D, g, q_lora, o_lora = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.q_lora_rank, cfg.o_lora_rank
+    a, m = src + "attn.", dst + "self_attention."
+    plan = []
+    for hc, name in (("attn", "attn_hc"), ("ffn", "ffn_hc")):
+        plan += [Param(f"{dst}{name}.fn", [full(f"{src}hc_{hc}_fn", ((2 + n) * n, n * d))]),
+                 Param(f"{dst}{name}.base", [full(f"{src}hc_{hc}_base", ((2 + n) * n,))]),
+                 Param(f"{dst}{name}.scale", [full(f"{src}hc_{hc}_scale", (3,))])]
+    return plan + [
+        Param(dst + "input_layernorm.weight", [full(src + "attn_norm.weight", (d,))]),
+        Param(dst + "pre_mlp_layernorm.weight", [full(src + "ffn_norm.weight", (d,))]),
+        Param(m + "linear_q_down_proj.weight", [full(a + "wq_a.weight", (q_lora, d))]),
+        Param(m + "q_layernorm.weight", [full(a + "q_norm.weight", (q_lora,))]),
+        Param(m + "linear_q_up_proj.weight", [rows(a + "wq_b.weight", (H * D, q_lora), tp, r)]),
+        Param(m + "linear_kv.weight", [full(a + "wkv.weight", (D, d))]),
+        Param(m + "kv_layernorm.weight", [full(a + kv_norm, (D,))]),
+        Param(m + "linear_o_a.weight", [rows(a + "wo_a.weight", (g * o_lora, H * D // g), tp, r)]),
+        Param(m + "linear_proj.weight", [rows(a + "wo_b.weight", (d, g * o_lora), tp, r, dim=1)]),
+        Param(m + "sinks", [rows(a + "attn_sink", (H,), tp, r)])]
+
+
+def moe_plan(cfg, src: str, dst: str, at: RankCoords, bias: bool = True) -> list[Param]:
+    """A layer's router (and its selection bias), this expert rank's experts whole, the shared expert by tensor rank."""
+    d, tp, r, E, F_ = cfg.hidden_size, at.tp, at.tp_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
+    f, mlp = src + "ffn.", dst + "mlp."
+    plan = [Param(mlp + "router.weight", [full(f + "gate.weight", (E, d))])]
+    if bias:
+        plan.append(Param(mlp + "router.expert_bias", [full(f + "gate.bias", (E,))]))
+    per = E // at.ep
+    for j in range(per):  # expert parallel: this rank's experts, whole
+        e, x = f"{f}experts.{at.ep_rank * per + j}.", f"{mlp}experts.local_experts.{j}."
+        gate_up = [full(e + "w1.weight", (F_, d)), full(e + "w3.weight", (F_, d))]
+        plan += [Param(x + "linear_fc1.weight", gate_up, cat0),
+                 Param(x + "linear_fc2.weight", [full(e + "w2.weight", (d, F_))])]
+    s = f + "shared_experts."
+    return plan + [Param(mlp + "shared_experts.linear_fc1.weight", [rows(s + "w1.weight", (F_, d), tp, r),
+                                                                    rows(s + "w3.weight", (F_, d), tp, r)], cat0),
+                   Param(mlp + "shared_experts.linear_fc2.weight", [rows(s + "w2.weight", (d, F_), tp, r, dim=1)])]
+
+
 ADAPTER = DeepseekV4Adapter()
-__all__ = ["ADAPTER", "DeepseekV4Adapter", "dims_of", "rank_plan", "rope_of"]
+__all__ = ["ADAPTER", "DeepseekV4Adapter", "dims_of", "layer_core_plan", "moe_plan", "rank_plan", "rope_of"]

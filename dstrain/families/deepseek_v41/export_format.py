@@ -70,12 +70,7 @@ def engine_config(raw: dict, hf, drafter, capture_layers: list[int], scheme, bin
         config["text_config"] = text
     else:
         config = text
-    if scheme.fp8 or scheme.experts != "plain":
-        config["quantization_config"] = {**(raw.get("quantization_config") or {"quant_method": "fp8", "fmt": "e4m3"}),
-                                         "scale_fmt": "ue8m0", "weight_block_size": list(scheme.block)}
-    if binding is not None:
-        config["dstrain"] = binding
-    return config
+    return v4.with_quant_and_binding(config, raw, scheme, binding)
 
 
 def export(drafter, host_folder, out: Path, capture_layers, binding=None, sts=None, max_shard_bytes: int = 5 << 30):

@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
 
 from dstrain.families.deepseek_v4.blocks import RMSNorm
+from dstrain.families.deepseek_v4.model import stage_embedding
 from dstrain.families.deepseek_v41.attention import CacheState, V41Dims
 from dstrain.layers.mhc import HyperConnection, collapse, expand
 
@@ -117,9 +117,7 @@ class V41Model(MegatronModule):
         self.tp_group = pg_collection.tp
         self.sequence_parallel = config.sequence_parallel and self.tp_group.size() > 1
         if self.pre_process:
-            self.embedding = VocabParallelEmbedding(dims.vocab, dims.hidden, init_method=config.init_method,
-                                                    reduce_scatter_embeddings=self.sequence_parallel, config=config,
-                                                    tp_group=pg_collection.tp)
+            self.embedding = stage_embedding(config, dims, pg_collection, self.sequence_parallel)
         self.offset, count = coords.layer_offset, coords.layers_per_stage
         self.decoder = V41Block(config, layer_specs[self.offset:self.offset + count], self.offset, dims,
                                 self.post_process, pg_collection)

@@ -14,10 +14,10 @@ import dataclasses
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from dstrain.errors import UserError
-from dstrain.targets.shard_plan import Param, RankCoords, Read, cat0, check_stages, full, rows
+from dstrain.families.deepseek_v4.target import DeepseekV4Adapter
+from dstrain.targets.shard_plan import Param, RankCoords, Read, check_stages, full, rows
 
 MODEL_TYPE = "deepseek_v41"
 
@@ -55,7 +55,7 @@ def ngram_hash_for(cfg):
     return NgramHash(text_of(cfg), token_map, count)
 
 
-class DeepseekV41Adapter:
+class DeepseekV41Adapter(DeepseekV4Adapter):
     """FamilyAdapter (shard_plan.py) for deepseek_v41, with `build_model` (the stage model is not a GPTModel)."""
 
     def check_layout(self, cfg, tp: int, pp: int, ep: int, pipeline_layers=None) -> None:
@@ -78,22 +78,8 @@ class DeepseekV41Adapter:
             raise UserError(f"world.target.ep={ep} must divide the target's {t.n_routed_experts} routed experts")
 
     def transformer_config(self, cfg, tp: int, pp: int, ep: int, dtype: torch.dtype, pipeline_layers=None):
-        from megatron.core.transformer import TransformerConfig
-
-        t = text_of(cfg)
-        F_ = t.moe_intermediate_size
-        return TransformerConfig(
-            num_layers=t.num_hidden_layers, hidden_size=t.hidden_size, num_attention_heads=t.num_attention_heads,
-            kv_channels=t.head_dim, ffn_hidden_size=F_, normalization="RMSNorm", layernorm_epsilon=t.rms_norm_eps,
-            gated_linear_unit=True, activation_func=F.silu, activation_func_clamp_value=float(t.swiglu_limit),
-            bias_activation_fusion=False, add_bias_linear=False, num_moe_experts=t.n_routed_experts,
-            moe_ffn_hidden_size=F_, moe_router_topk=t.num_experts_per_tok, moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True, moe_router_dtype="fp32", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
-            moe_router_load_balancing_type="none", expert_tensor_parallel_size=1, moe_token_dispatcher_type="alltoall",
-            moe_shared_expert_intermediate_size=F_ * t.n_shared_experts, hidden_dropout=0.0, attention_dropout=0.0,
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-            sequence_parallel=tp > 1, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-            use_cpu_initialization=True, perform_initialization=False, variable_seq_lengths=True)
+        """V4's (one shared expert, clamped SwiGLU, sequence parallel at tp > 1) on the text config."""
+        return DeepseekV4Adapter.transformer_config(self, text_of(cfg), tp, pp, ep, dtype, pipeline_layers)
 
     def layer_spec(self, tcfg, cfg) -> list:
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -117,9 +103,6 @@ class DeepseekV41Adapter:
                            submodules=V41LayerSubmodules(self_attention=attn, mlp=mlp, replicated=Linear))
                 for i in range(t.num_hidden_layers)]
 
-    def gpt_kwargs(self, cfg) -> dict:
-        return {}
-
     def build_model(self, tcfg, cfg, coords: RankCoords, pg_collection):
         from dstrain.families.deepseek_v41.model import V41Model
 
@@ -140,11 +123,11 @@ def engram_rows(total: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 def rank_plan(cfg, at: RankCoords) -> list[Param]:
-    """Each megatron parameter of this rank from the release's names."""
+    """Each megatron parameter of this rank from the release's names (V4's layer core and MoE plans under `layers.`)."""
+    from dstrain.families.deepseek_v4.target import layer_core_plan, moe_plan
+
     t = text_of(cfg)
-    d, tp, r = t.hidden_size, at.tp, at.tp_rank
-    H, D, g, q_lora, o_lora = t.num_attention_heads, t.head_dim, t.o_groups, t.q_lora_rank, t.o_lora_rank
-    E, F_, n = t.n_routed_experts, t.moe_intermediate_size, t.hc_mult
+    d, tp, r, n, D, q_lora = t.hidden_size, at.tp, at.tp_rank, t.hc_mult, t.head_dim, t.q_lora_rank
     ci, hi = t.index_head_dim, t.index_n_heads
     plan: list[Param] = []
     if at.first:
@@ -155,20 +138,7 @@ def rank_plan(cfg, at: RankCoords) -> list[Param]:
         layer = at.layer_offset + local
         src, dst = f"layers.{layer}.", f"decoder.layers.{local}."
         a, m = src + "attn.", dst + "self_attention."
-        for hc, name in (("attn", "attn_hc"), ("ffn", "ffn_hc")):
-            plan += [Param(f"{dst}{name}.fn", [full(f"{src}hc_{hc}_fn", ((2 + n) * n, n * d))]),
-                     Param(f"{dst}{name}.base", [full(f"{src}hc_{hc}_base", ((2 + n) * n,))]),
-                     Param(f"{dst}{name}.scale", [full(f"{src}hc_{hc}_scale", (3,))])]
-        plan += [Param(dst + "input_layernorm.weight", [full(src + "attn_norm.weight", (d,))]),
-                 Param(dst + "pre_mlp_layernorm.weight", [full(src + "ffn_norm.weight", (d,))]),
-                 Param(m + "linear_q_down_proj.weight", [full(a + "wq_a.weight", (q_lora, d))]),
-                 Param(m + "q_layernorm.weight", [full(a + "q_norm.weight", (q_lora,))]),
-                 Param(m + "linear_q_up_proj.weight", [rows(a + "wq_b.weight", (H * D, q_lora), tp, r)]),
-                 Param(m + "linear_kv.weight", [full(a + "wkv.weight", (D, d))]),
-                 Param(m + "kv_layernorm.weight", [full(a + "kv_norm.weight", (D,))]),
-                 Param(m + "linear_o_a.weight", [rows(a + "wo_a.weight", (g * o_lora, H * D // g), tp, r)]),
-                 Param(m + "linear_proj.weight", [rows(a + "wo_b.weight", (d, g * o_lora), tp, r, dim=1)]),
-                 Param(m + "sinks", [rows(a + "attn_sink", (H,), tp, r)])]
+        plan += layer_core_plan(t, src, dst, at, kv_norm="kv_norm.weight")
         role = t.role(layer)
         if role == "full":
             c, mc = a + "compressor.", m + "compressor."
@@ -192,19 +162,7 @@ def rank_plan(cfg, at: RankCoords) -> list[Param]:
                      Param(me + "linear_kv.weight", [full(e + "wkv.weight", (d * (n + 1), width))]),
                      Param(me + "q_weight", [full(e + "q_weight", (n, d))]),
                      Param(me + "k_weight", [full(e + "k_weight", (n, d))])]
-        f, mlp = src + "ffn.", dst + "mlp."
-        plan += [Param(mlp + "router.weight", [full(f + "gate.weight", (E, d))]),
-                 Param(mlp + "router.expert_bias", [full(f + "gate.bias", (E,))])]
-        per = E // at.ep
-        for j in range(per):
-            x, y = f"{f}experts.{at.ep_rank * per + j}.", f"{mlp}experts.local_experts.{j}."
-            plan += [Param(y + "linear_fc1.weight", [full(x + "w1.weight", (F_, d)), full(x + "w3.weight", (F_, d))],
-                           cat0),
-                     Param(y + "linear_fc2.weight", [full(x + "w2.weight", (d, F_))])]
-        s = f + "shared_experts."
-        plan += [Param(mlp + "shared_experts.linear_fc1.weight", [rows(s + "w1.weight", (F_, d), tp, r),
-                                                                  rows(s + "w3.weight", (F_, d), tp, r)], cat0),
-                 Param(mlp + "shared_experts.linear_fc2.weight", [rows(s + "w2.weight", (d, F_), tp, r, dim=1)])]
+        plan += moe_plan(t, src, dst, at)
     return plan
 
 
