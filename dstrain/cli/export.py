@@ -40,8 +40,10 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", help="training run folder (or an export folder, to re-export)")
     ap.add_argument("out", help="folder to write (replaced atomically)")
-    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3", "deepseek-v4",
-                                                          "deepseek-v41"],
+    from dstrain.families.registry import family_formats
+
+    ap.add_argument("--format", default="dstrain", choices=["dstrain", "speculators", "deepspec", "sglang-eagle3",
+                                                          *family_formats()],  # each family's own layout
                     help="dstrain: our own folder; speculators: the format vLLM loads (DSpark, DFlash, Eagle3, MTP-1); deepspec: "
                          "the DSpark layout SGLang's DSparkDraftModel reads; sglang-eagle3: SGLang's own Eagle3 layout "
                          "(see dstrain/export/formats.py); deepseek-v4: a V4 DSpark drafter as vLLM "

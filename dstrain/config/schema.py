@@ -81,9 +81,13 @@ class TargetConfig(Section):
     backend: Literal["hf", "megatron", "vllm"] = Field("hf", description="hf: transformers, one whole replica per rank;"
                                                        " megatron: megatron-core sharded TP x PP x EP over its own ranks "
                                                        "(world.mode=disaggregated); vllm: served by vLLM in its own "
-                                                       "process, its hidden states streamed to the drafter (colocated)")
+                                                       "processes, its hidden states streamed to the drafter (colocated: "
+                                                       "one server beside each drafter rank; disaggregated: one client "
+                                                       "rank per replica, world.target.tp=pp=ep=1)")
     engine_python: str | None = Field(None, description="backend=vllm: the python that has vllm (default: "
                                       "$DSTRAIN_VLLM_PYTHON, else the repository's .venv-engine from make engine-venv)")
+    engine_tensor_parallel: int = Field(1, ge=1, description="backend=vllm: vLLM's own tensor parallel size inside its "
+                                        "server (its devices are the server's, not dstrain ranks)")
     source: Literal["path", "smollm2_moe", "smollm2", "random"] = Field(
         "path", description="path: a local Hugging Face folder (target.path); smollm2_moe: the embedded "
         "SmolLM2-135M-Instruct, upcycled; smollm2: the same model dense; random: random weights from target.hf_config")
@@ -358,9 +362,11 @@ class Recipe(Section):
                                  "set drafter.backbone=auto (or generic)")
             if problems := v4_backbone_conflicts(self.drafter):
                 raise ValueError(problems[0])
-        if self.target.backend == "vllm" and self.world.mode != "colocated":
-            raise ValueError("target.backend=vllm serves the target from a vLLM process beside each drafter rank: set "
-                             "world.mode=colocated")
+        t = self.world.target
+        if self.target.backend == "vllm" and self.world.mode == "disaggregated" and (t.tp, t.pp, t.ep) != (1, 1, 1):
+            raise ValueError(f"target.backend=vllm parallelises the target inside its own server: set world.target.tp=1, "
+                             f"pp=1, ep=1 (one client rank per replica; got {t.tp}/{t.pp}/{t.ep}) and "
+                             "target.engine_tensor_parallel to vLLM's tensor parallel size")
         if self.target.backend == "vllm" and self.eval.every:
             raise ValueError("eval.every decodes with a transformers target in the drafter's process; with "
                              "target.backend=vllm set eval.every=0 and evaluate checkpoints with dstrain eval")

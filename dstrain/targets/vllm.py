@@ -154,7 +154,8 @@ class VllmTarget:
         self._norm = final_norm(folder, self.config, target_cfg.dtype)
         self.engine = VllmEngine(engine_python(getattr(target_cfg, "engine_python", None)), folder,
                                  vllm_layer_ids(self.capture_layers, self.num_layers), target_cfg.dtype,
-                                 max_length or min(int(getattr(self.config, "max_position_embeddings", 0) or 4096), 4096))
+                                 max_length or min(int(getattr(self.config, "max_position_embeddings", 0) or 4096), 4096),
+                                 getattr(target_cfg, "engine_tensor_parallel", 1))
 
     @property
     def embedding(self) -> nn.Embedding:

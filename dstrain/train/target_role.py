@@ -15,7 +15,7 @@ from dstrain.devices import on_cuda
 from dstrain.runtime import preemption
 from dstrain.runtime.channel import Sender, announce_loaded, needed_rows, post_resume
 from dstrain.runtime.watchdog import progress
-from dstrain.train.step import pack_step, padded_batch
+from dstrain.train.step import pack_step, padded_batch, target_device
 
 
 from dstrain.targets.shard_plan import stage_of_layer  # noqa: F401  (the channel's senders and receivers agree on it)
@@ -97,7 +97,8 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
                     ctx, finals = needed_rows(packed)
                     ids, att, lengths = padded_batch(samples)
                     progress(step, "forward")
-                    out = target(ids.to(world.device), att.to(world.device))
+                    dev = target_device(target)  # a vLLM-served target takes the loader's host ids: no device trip
+                    out = target(ids.to(dev), att.to(dev))
                     captured = out.captured if out is not None else target.local_captured
                     final = out.final_hidden if out is not None else target.final_hidden
                     dst = lay.drafter_rank(j)
@@ -116,4 +117,7 @@ def serve_target(recipe, world, run_dir: Path, make_loader) -> int:
                                   "seconds": round(time.perf_counter() - t0, 4), **({"samples": sent_ids} if is_lead else {})}) + "\n")
             log.flush()
     sender.flush()
+    close = getattr(target, "close", None)  # a vLLM-served target: its server and hand-over folder
+    if close is not None:
+        close()
     return 0

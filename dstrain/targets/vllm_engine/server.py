@@ -19,6 +19,7 @@ import argparse
 import fcntl
 import json
 import os
+import shutil
 import sys
 import traceback
 
@@ -50,8 +51,7 @@ def main() -> int:
 
     try:
         import vllm
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import LLM
 
         ids = [int(x) for x in args.layer_ids.split(",")]
         llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, seed=0, enforce_eager=True,
@@ -72,6 +72,16 @@ def main() -> int:
         traceback.print_exc(file=sys.stderr)
         say({"error": f"{type(exc).__name__}: {exc}"})
         return 2
+
+    try:
+        return serve(llm, args.scratch)
+    finally:  # the client's stdin closed (it finished, or died without closing us): the hand-over folder goes too
+        shutil.rmtree(args.scratch, ignore_errors=True)
+
+
+def serve(llm, scratch: str) -> int:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     once = SamplingParams(max_tokens=1, temperature=0.0)
     flush: list[str] = []  # the previous flush request's file: written by this batch's first step

@@ -7,13 +7,15 @@ The engine tests need .venv-engine: under CI a missing one is a failure (conftes
 installs it first."""
 
 import json
+import subprocess
+import sys
 import os
 import tempfile
 
 import pytest
 import torch
 
-from conftest import ROOT, run_tool
+from conftest import ROOT, free_port, run_tool
 from dstrain.errors import UserError
 from dstrain.targets.vllm import engine_python, refusal, vllm_layer_ids
 
@@ -48,7 +50,8 @@ def test_refusals_name_the_fix():
 
 
 @pytest.mark.parametrize("over,match", [
-    (["world.mode=disaggregated", "world.drafter_ranks=1"], "target.backend=vllm serves the target from a vLLM process"),
+    (["world.mode=disaggregated", "world.drafter_ranks=1", "world.target.tp=2"],
+     "target.backend=vllm parallelises the target inside its own server: set world.target.tp=1"),
     (["eval.every=10"], "with target.backend=vllm set eval.every=0"),
 ])
 def test_recipe_refusals(over, match):
@@ -105,9 +108,11 @@ def test_a_target_without_eagle3_interface_is_one_line(tmp_path):
 
 
 @needs_engine
+@pytest.mark.distributed
 def test_smollm2_vllm_recipe_trains_as_the_hf_backend(tmp_path):
-    """`dstrain train smollm2_vllm` against vLLM and the same recipe with target.backend=hf: the same losses; and
-    against vLLM again filling a feature cache on disk (the offline path): the same losses, the cache written."""
+    """`dstrain train smollm2_vllm` against vLLM and the same recipe with target.backend=hf: the same losses; against
+    vLLM again filling a feature cache on disk (the offline path), and disaggregated (a client rank with the server,
+    the channel, a drafter rank): the same losses, the cache written."""
     from transformers import AutoTokenizer
 
     from dstrain.data.shards import synthetic_shards
@@ -129,7 +134,15 @@ def test_smollm2_vllm_recipe_trains_as_the_hf_backend(tmp_path):
     for name, over in (("vllm", []), ("hf", ["target.backend=hf"]), ("cached", [f"train.feature_cache_dir={cache}"])):
         run_tool("-m", "dstrain", "train", *common, *over, f"run.name={name}", timeout=900)
         losses[name] = [json.loads(line)["train/loss"] for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
+    # disaggregated: one client rank holds the vLLM server and streams through the channel to one drafter rank
+    split = ["world.mode=disaggregated", "world.target.dp=1", "world.drafter_ranks=1", "run.name=split"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "-m", "dstrain", "train", *common, *split], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses["split"] = [json.loads(line)["train/loss"] for line in open(tmp_path / "runs" / "split" / "metrics.jsonl")]
     assert losses["cached"] == losses["vllm"] and any(cache.rglob("*")), losses
+    assert max(abs(x - y) for x, y in zip(losses["split"], losses["vllm"])) < 1e-6, losses
     worst = max(abs(x - y) for x, y in zip(losses["vllm"], losses["hf"]))
     print(f"smollm2_vllm: losses {losses}; max |Δloss| {worst:.2e}")
     assert len(losses["vllm"]) == 3 and worst < 1e-4, losses
@@ -157,6 +170,19 @@ def _fake_engine(tmp_path, says: str):
     fake.write_text(f"#!/bin/sh\necho 'vLLM log line'\necho '@dstrain {says}'\nsleep 1\n")
     fake.chmod(0o755)
     return fake
+
+
+def test_a_capture_layer_outside_the_target_is_refused_before_any_server(tmp_path):
+    """vLLM's capture ids are dstrain's capture layers + 1 and the final state; a layer the target lacks is named in one
+    line before vLLM starts, so the server is never asked for an id its model lacks."""
+    from dstrain.config.schema import TargetConfig
+    from dstrain.targets.vllm import VllmTarget
+
+    folder = _release(tmp_path, TINY_QWEN3_MOE)
+    with pytest.raises(UserError, match="capture_layers") as err:
+        VllmTarget(TargetConfig(name="t", backend="vllm", source="path", path=str(folder), dtype="float32",
+                                capture_layers=[0, 99], engine_python=str(tmp_path / "no-engine")))
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("says,match", [
