@@ -52,19 +52,22 @@ class V4ConfidenceHead(nn.Module):
 class V4DraftStage(V4DraftLayer):
     """mtp.{i}: one draft layer, plus the drafter-level weights the engines read at this index."""
 
-    def __init__(self, dims: V4DraftDims, rope, *, first: bool, last: bool, num_capture: int, vocab: int, rank: int):
-        super().__init__(dims, rope)
+    def __init__(self, dims: V4DraftDims, rope, *, first: bool, last: bool, num_capture: int, vocab: int, rank: int,
+                 attention: nn.Module | None = None, hc_head: bool = True, names: dict = HC_HEAD_NAMES):
+        """`attention`, `hc_head`, `names` (the last stage's renames on save / load): what V4.1's stage changes."""
+        super().__init__(dims, rope, attention)
         d = dims.hidden
         if first:
             self.main_proj = nn.Linear(num_capture * d, d, bias=False)
             self.main_norm = RMSNorm(d, dims.eps)
         if last:
             self.norm = RMSNorm(d, dims.eps)
-            self.hc_head = HyperHead(d, dims.hc_mult, dims.hc_eps, dims.eps)
+            if hc_head:
+                self.hc_head = HyperHead(d, dims.hc_mult, dims.hc_eps, dims.eps)
             self.markov_head = V4MarkovHead(vocab, rank)
             self.confidence_head = V4ConfidenceHead(d, rank)
-            self.register_state_dict_post_hook(partial(rename_on_save, HC_HEAD_NAMES))
-            self.register_load_state_dict_pre_hook(partial(rename_on_load, HC_HEAD_NAMES))
+            self.register_state_dict_post_hook(partial(rename_on_save, names))
+            self.register_load_state_dict_pre_hook(partial(rename_on_load, names))
 
 
 class V4BlockDrafter(nn.Module):

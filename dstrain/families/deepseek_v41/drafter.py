@@ -21,10 +21,8 @@ import torch
 from torch import nn
 
 from dstrain.errors import UserError
-from dstrain.families.deepseek_v4.blocks import RMSNorm
-from dstrain.families.deepseek_v4.draft_layer import (V4DraftAttention, V4DraftDims, V4DraftLayer, rename_on_load,
-                                                      rename_on_save)
-from dstrain.families.deepseek_v4.drafter import V4BlockDrafter, V4ConfidenceHead, V4MarkovHead
+from dstrain.families.deepseek_v4.draft_layer import V4DraftAttention, V4DraftDims
+from dstrain.families.deepseek_v4.drafter import V4BlockDrafter, V4DraftStage
 from dstrain.families.deepseek_v41 import cache_quant
 from dstrain.families.deepseek_v41.attention import rope_for
 from dstrain.layers.mhc import collapse, expand
@@ -44,24 +42,15 @@ def draft_dims(t) -> V4DraftDims:
                        hc_eps=t.hc_eps, eps=t.rms_norm_eps, shared=t.n_shared_experts)
 
 
-class V41DraftStage(V4DraftLayer):
+class V41DraftStage(V4DraftStage):
     """mtp.{i}: a window-only V4.1 layer with single-pass mHC, plus the drafter-level weights kept at this index."""
 
     def __init__(self, dims: V4DraftDims, rope, *, first: bool, last: bool, num_capture: int, vocab: int, rank: int,
                  quant: bool):
         cache = partial(cache_quant.cache, fmt="fp8", on=quant)
-        super().__init__(dims, rope, attention=V4DraftAttention(dims, q_rms=False, cache=cache))
+        super().__init__(dims, rope, first=first, last=last, num_capture=num_capture, vocab=vocab, rank=rank,
+                         attention=V4DraftAttention(dims, q_rms=False, cache=cache), hc_head=False, names=MARKOV_NAMES)
         self.ffn.gate.register_buffer("bias_vl", torch.zeros(dims.experts, dtype=torch.float32))
-        d = dims.hidden
-        if first:
-            self.main_proj = nn.Linear(num_capture * d, d, bias=False)
-            self.main_norm = RMSNorm(d, dims.eps)
-        if last:
-            self.norm = RMSNorm(d, dims.eps)
-            self.markov_head = V4MarkovHead(vocab, rank)
-            self.confidence_head = V4ConfidenceHead(d, rank)
-            self.register_state_dict_post_hook(partial(rename_on_save, MARKOV_NAMES))
-            self.register_load_state_dict_pre_hook(partial(rename_on_load, MARKOV_NAMES))
 
     def forward(self, streams, pre, positions, context_kv, mask):
         """streams [B, Q, n, d], pre [B, Q, n] fp32 -> (streams, the pre-mix the next sublayer collapses with)."""
