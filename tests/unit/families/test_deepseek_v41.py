@@ -106,6 +106,26 @@ def test_shard_plan_reads_release_names_once_per_replica(tiny):
     assert t.ratio(1) == 2 and t.role(3) == "reindex"
 
 
+def test_each_rank_reads_only_its_slices_of_the_quantised_release(tmp_path):
+    """FP8 32x32 linears, FP4 experts and FP8 Engram rows: a rank of TP2 x EP2 x PP2 reads its slices and their scales,
+    and the eight ranks together read each stored byte no more often than the layout replicates it."""
+    from dstrain.targets.checkpoint import CheckpointReader
+    from dstrain.targets.configs import load_config
+
+    folder = write_release(tmp_path / "q", quantised=True)
+    cfg = load_config(folder)
+    coords = [RankCoords(tp=2, tp_rank=r, ep=2, ep_rank=e, pp=2, stage=st, num_layers=8, pipeline_layers=(5, 3))
+              for st in (0, 1) for e in (0, 1) for r in (0, 1)]
+    whole = (folder / "model.safetensors").stat().st_size
+    with CheckpointReader(folder) as reader:
+        per_rank = [sum(reader.disk_bytes(rd) for p in rank_plan(cfg, at) for rd in p.reads) for at in coords]
+        table = reader.disk_bytes(next(rd for at in coords[:1] for p in rank_plan(cfg, at) for rd in p.reads
+                                       if rd.key == "layers.1.engram.embed.weight"))
+    print(f"bytes per rank {per_rank} of {whole}")
+    assert max(per_rank) < 0.45 * whole  # a stage's half of the layers, its experts and rows of the tables
+    assert table < 0.6 * 256 * 32 * 1.2  # half the FP8 rows of layer 1's table (+ their scales), not all of them
+
+
 @pytest.mark.distributed
 def test_sharded_equals_one_process(tiny):
     report = parity_report("v41_parity.py", tiny, timeout=480)
