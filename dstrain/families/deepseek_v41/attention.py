@@ -27,6 +27,7 @@ from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
 from dstrain.families.deepseek_v4 import blocks as v4_blocks
+from dstrain.families.deepseek_v4.attention import stable_topk
 from dstrain.families.deepseek_v4.blocks import RMSNorm, Rope, rotate, sparse_attention, unrotate
 from dstrain.families.deepseek_v41 import cache_quant
 
@@ -83,11 +84,6 @@ class CacheState:
     index_keys: torch.Tensor | None = None  # [B, n, index_dim]
     picks: torch.Tensor | None = None  # [B, T, k], ascending, -1: no admissible entry
     candidates: torch.Tensor | None = None  # [B, T, n] bool
-
-
-def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest along the last dim; among equal scores the lower index comes first."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 class Compressor(MegatronModule):
@@ -161,8 +157,7 @@ class Indexer(MegatronModule):
             top = stable_topk(scores, k)
             valid = torch.isfinite(scores.gather(-1, top))
             picks.append(torch.where(valid, top, -1).sort(dim=-1).values)
-        picks = torch.cat(picks, 1)
-        return replace(state, picks=torch.where(picks < 0, -1, picks), candidates=cands)
+        return replace(state, picks=torch.cat(picks, 1), candidates=cands)
 
     def _blocks(self, scores: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """The candidate source's kept entries: the best `cand_blocks` blocks by their best score, and always the
