@@ -173,3 +173,23 @@ def test_settings_the_layout_cannot_serve_are_refused(release, wrong, message):
     settings = dict(num_layers=3, mask_token_id=127, head_rank=8, confidence=True, sliding_window=4, ffn=None)
     with pytest.raises(UserError, match=message):
         V41BlockDrafter(SimpleNamespace(**{**settings, **wrong}), spec, torch.nn.Embedding(t.vocab_size, 32), cfg)
+
+
+def test_bf16_drafter_trains_and_proposes(release):
+    """Cast whole to bf16 (DeepSpeed's bf16 mode; mHC, sinks and router tensors included), FP8 keys on: it trains and
+    proposes."""
+    from dstrain.config.schema import LossConfig
+    from dstrain.train.step import TargetFeatures, draft_losses
+
+    cfg = load_config(release)
+    t = cfg.get_text_config()
+    drafter = build(cfg).to(torch.bfloat16).train()
+    drafter._embedding.to(torch.bfloat16)
+    lm_head = torch.nn.Linear(t.hidden_size, t.vocab_size, bias=False).to(torch.bfloat16)
+    _, packed, features = batch(t)
+    feats = TargetFeatures(features.bfloat16(), torch.randn(features.shape[0], t.hidden_size).bfloat16())
+    sums, _, out = draft_losses(drafter, lm_head, packed, feats, LossConfig())
+    sums["total"].backward()
+    assert out.hidden.dtype == torch.bfloat16 and torch.isfinite(sums["total"])
+    prop = drafter.eval().propose(packed, feats.captured[packed.ctx_rows], lm_head, lambda lg: (lg.argmax(-1), lg.softmax(-1)))
+    assert prop.tokens.shape == packed.block_tokens.shape and torch.isfinite(prop.probs).all()
