@@ -18,6 +18,18 @@ def _pct(v: dict, key: str = "gain") -> str:
     return f"{100 * v[key]:+.1f} % [{100 * v[key + '_lo']:+.1f}, {100 * v[key + '_hi']:+.1f}]"
 
 
+def train_time(training: dict) -> str:
+    """Training wall time: every leg of a resumed run where the record counts legs; else the last leg's, marked."""
+    legs = training.get("legs")
+    if legs is None:
+        return f"{training['seconds'] / 60:.0f} min, last leg †"
+    return f"{training['seconds'] / 60:.0f} min" + (f" ({legs} legs)" if legs > 1 else "")
+
+
+UNTIMED_LEGS = ("† timed from the last start only: a record without its legs count (written before they were counted) "
+                "may have resumed from a checkpoint, so its run trained longer than shown.")
+
+
 def protocol_words(res: dict) -> str:
     proto, sz = res["protocol"], res["protocol"]["sizes"]
     temps = " and ".join(T_LABEL[t] for t in res["temperatures"])
@@ -75,7 +87,7 @@ def temperature_section(res: dict, temp: str) -> list[str]:
         lr = f", {e['lr_evaluated']:.1e}" if e["lr_evaluated"] is not None else ""
         rows.append(f"| {r['label']} s{r['seed']} | {e['epochs_run']:.0f} of {e['of_epochs']} ({e['stop']}) | "
                     f"{e['epoch_evaluated']:.0f}{lr} | " + " | ".join(_ci(p["tau"][d]) for d in BENCH) +
-                    f" | {_ci(p['macro'])} | {_ci(p['held_out_unseen_macro'])} | {tr['seconds'] / 60:.0f} min | "
+                    f" | {_ci(p['macro'])} | {_ci(p['held_out_unseen_macro'])} | {train_time(tr)} | "
                     f"{r['code']['commit'][:8]}{'+dirty' if r['code']['dirty'] else ''} |")
     fam_rows = ["| family | seeds | " + " | ".join(f"{BENCH[d]} τ" for d in BENCH) + " | macro τ | seed spread | "
                 f"pos. 1 accepted | share of τ − 1 from pos. 1 | rounds verifying pos. {DEEP_POSITION} |",
@@ -103,7 +115,8 @@ def temperature_section(res: dict, temp: str) -> list[str]:
                   f"{seed_cells} | **{v['direction']}** ({v['unit']}) |")
         if v["verdict"]:
             claims.append(f"- vs {label}: {v['verdict']}.")
-    return [f"## {T_LABEL[temp]}", "", "### Runs", "", *rows, "", "### Families (mean over seeds)", "", *fam_rows, "",
+    untimed = [UNTIMED_LEGS, ""] if any(r["training"].get("legs") is None for r in res["runs"].values()) else []
+    return [f"## {T_LABEL[temp]}", "", "### Runs", "", *rows, "", *untimed, "### Families (mean over seeds)", "", *fam_rows, "",
             "### Every family against DSpark", "",
             f"{tab['correction']}. Over prompts: paired on the same prompts, seed means (the prompts' variance only). "
             "Over seeds: per seed the difference of macro τ, paired by seed, Student t over the seeds (the training "

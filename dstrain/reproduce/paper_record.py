@@ -140,7 +140,8 @@ def write(cfg: S.Config, sizes, proto: dict, rec: dict, evals: dict, data: dict,
 
     strip = lambda ev: {k: v for k, v in ev.items() if k != "key"}  # noqa: E731
     ov = dict(o.split("=", 1) for o in overrides)
-    training = {"steps": rec["steps"], "epoch_steps": rec["epoch_steps"], "seconds": rec["seconds"],
+    # "legs": the runs this training took (a resumed run's seconds cover every leg); a record without it timed its last
+    training = {"steps": rec["steps"], "epoch_steps": rec["epoch_steps"], "seconds": rec["seconds"], "legs": rec.get("legs"),
                 "best": (rec.get("eval") or {}).get("best"), "stopped_early": (rec.get("eval") or {}).get("stopped_early"),
                 "feature_cache": rec.get("feature_cache")}
     record = {

@@ -214,9 +214,14 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
         clock.finish(f"train {family}", 0.0, reused=True)
         return done
     pending = run_dir / "reproduce.pending.json"
-    if not (reuse(pending, key, cfg.resume) and (run_dir / "checkpoints").is_dir()):
+    before = reuse(pending, key, cfg.resume)
+    if not (before and (run_dir / "checkpoints").is_dir()):
         shutil.rmtree(run_dir, ignore_errors=True)  # another config (or --no-resume): start clean
-    store(pending, key, {})
+        before = None
+    # wall time over every leg of an interrupted run, kept in the pending marker while a leg runs (a killed leg loses
+    # at most its last 30 s): a resumed run's time is then all of it, not its last leg's
+    legs = {"seconds_before": float((before or {}).get("seconds_before", 0.0)), "legs": int((before or {}).get("legs", 0)) + 1}
+    store(pending, key, legs)
     cmd = [sys.executable, "-m", "dstrain", "train", recipe_path, *overrides]  # cwd=REPO: this checkout's dstrain
     t0 = time.perf_counter()
     log = run_dir / "train.log"
@@ -225,11 +230,15 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
     with log.open("a") as fh, progress(steps, f"train {family}", "step", initial=_logged_step(run_dir)) as bar, \
             preemption.stops_forwarded(lambda: subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                                                 preexec_fn=preemption.die_with_parent)) as proc:
+        noted = time.perf_counter()
         while proc.poll() is None:
             time.sleep(2.0)
             logged = _logged_step(run_dir)  # one read of metrics.jsonl per poll
             if logged > bar.n:
                 bar.update(logged - bar.n)
+            if time.perf_counter() - noted >= 30.0:
+                noted = time.perf_counter()
+                store(pending, key, {**legs, "seconds_before": legs["seconds_before"] + noted - t0})
         bar.update(max(_logged_step(run_dir) - bar.n, 0))
     if proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # the trainer saved a checkpoint and stopped
         said = [line for line in log.read_text(errors="replace").splitlines() if "checkpoint step-" in line][-1:]
@@ -244,7 +253,8 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
         raise UserError(f"training {family} stopped by a {summary['stopped_by']} at step {summary['preempted_at']} of "
                         f"{steps} (checkpoint saved); rerun the same command to resume")
     seconds = time.perf_counter() - t0
-    out = store(marker, key, {"command": " ".join(["python", *cmd[1:]]), "seconds": seconds, "steps": summary["steps"],
+    out = store(marker, key, {"command": " ".join(["python", *cmd[1:]]), "seconds": legs["seconds_before"] + seconds,
+                              "legs": legs["legs"], "steps": summary["steps"],
                               "first": summary["first"], "last": summary["last"],
                               "feature_cache": summary.get("feature_cache")})
     pending.unlink(missing_ok=True)

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import ROOT
 from dstrain.reproduce.paper_table import PAPER_CLAIMS, assemble, verdict
+from dstrain.reproduce.paper_pages import markdown
 from dstrain.reproduce.paper_record import load
 
 CLAIM = (0.16, 0.18)
@@ -38,8 +39,9 @@ def test_a_wide_interval_never_reads_as_support():
     assert "smaller gains" in verdict(_gain(0.117, 0.179), CLAIM, seeds=1)
 
 
-def test_the_committed_table_is_the_committed_records_assembled():
-    runs, table = ROOT / "benchmarks" / "paper-runs", ROOT / "benchmarks" / "paper-table" / "results.json"
+@pytest.mark.parametrize("protocol", ["paper", "paper2"])
+def test_the_committed_table_is_the_committed_records_assembled(protocol):
+    runs, table = ROOT / "benchmarks" / f"{protocol}-runs", ROOT / "benchmarks" / f"{protocol}-table" / "results.json"
     records = load([runs])
     assert records, "no committed paper runs"
     fresh, committed = assemble(records), json.loads(table.read_text())
@@ -53,6 +55,7 @@ def test_the_committed_table_is_the_committed_records_assembled():
             c = committed["tables"][temp]["versus_dspark"][fam]
             assert (v["diff"], v["lo"], v["hi"]) == pytest.approx((c["diff"], c["lo"], c["hi"]), abs=1e-6), fam
             assert v["verdict"] == c["verdict"] and fam in PAPER_CLAIMS
+    assert markdown(fresh) == (table.parent / "results.md").read_text()  # the page says what the records assemble to
 
 
 def test_a_seed_spread_as_large_as_the_difference_is_named():
