@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dstrain.reproduce import paper_reference
 from dstrain.reproduce.paper import PAPER_FAMILIES
 from dstrain.reproduce.paper_record import PROTOCOL_SEED
 from dstrain.reproduce.paper_stats import DEEP_POSITION, T_LABEL
@@ -121,7 +122,8 @@ def temperature_section(res: dict, temp: str) -> list[str]:
             f"{tab['correction']}. Over prompts: paired on the same prompts, seed means (the prompts' variance only). "
             "Over seeds: per seed the difference of macro τ, paired by seed, Student t over the seeds (the training "
             "seed's variance). With two seeds or more a difference is resolved when its seed interval excludes 0.", "",
-            *vs, "", "### The paper's claims", "", *(claims or ["(needs DSpark and a baseline)"]), ""]
+            *vs, "", "### The paper's claims", "", *(claims or ["(needs DSpark and a baseline)"]), "",
+            *paper_reference.section(res, temp)]
 
 
 def markdown(res: dict) -> str:
@@ -134,7 +136,8 @@ def markdown(res: dict) -> str:
         "## How the runs ended", "", *endings(res), "", *body,
         "learning_curves.png: held-out τ of the curve subset after every epoch (bands: 95 % bootstrap over its prompts). "
         "tau_seeds.png: each run's benchmark macro τ and the family means. positions.png: the share of rounds that "
-        "verify each draft position (every earlier position accepted), family means over seeds.", ""])
+        "verify each draft position (every earlier position accepted), family means over seeds"
+        + ("; dashed, the reference trainers'." if res.get("references") else "."), ""])
 
 
 def plots(res: dict, out: Path) -> None:
@@ -179,6 +182,7 @@ def plots(res: dict, out: Path) -> None:
             reach = f["reach_mean"]
             ax.plot(range(1, len(reach) + 1), [max(x, 1e-4) for x in reach], marker="o",
                     color=f"C{PAPER_FAMILIES.index(fam)}", label=f["label"])
+        paper_reference.plot_reach(ax, res, temp)
         ax.set_yscale("log")
         ax.set(xlabel="draft position k", ylabel="share of rounds verifying position k", title=T_LABEL[temp])
     save(fig, out / "positions.png", *axes[0])

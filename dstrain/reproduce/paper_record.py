@@ -26,6 +26,13 @@ from dstrain.reproduce.report import BENCH
 
 SCHEMA = {"paper": 1, "paper2": 2}  # 2: evaluations keyed by temperature, per-prompt position counts, the schedule
 READABLE = (1, 2)
+# a run of another implementation on a dstrain run's samples, order, features, steps and evaluator (its schema names the
+# tool, e.g. tools/deepspec_reference.py's "deepspec-reference/1"); `pairs_with` names that dstrain run
+REFERENCE_SUFFIX = "-reference/1"
+
+
+def is_reference(rec: dict) -> bool:
+    return isinstance(rec.get("schema"), str) and rec["schema"].endswith(REFERENCE_SUFFIX) and "pairs_with" in rec
 PROTOCOL_SEED = 0  # benchmark prompts and decoding draws: the same for every run, so runs compare paired
 
 
@@ -179,7 +186,8 @@ def load(folders: list[Path]) -> list[dict]:
                 rec = json.loads(path.read_text())
             except (OSError, ValueError) as e:
                 raise UserError(f"{path}: not a readable run record ({e}); remove it or copy it again") from None
-            if not isinstance(rec, dict) or rec.get("schema") not in READABLE or "protocol_key" not in rec:
+            if not isinstance(rec, dict) or "protocol_key" not in rec or not (rec.get("schema") in READABLE
+                                                                            or is_reference(rec)):
                 continue  # another file kept beside the records (a README's JSON, a results file)
             ident = (rec["family"], rec["seed"])
             if ident in seen:

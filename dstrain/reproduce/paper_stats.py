@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import math
 
+from dstrain.eval.bootstrap import macro_interval, ratio_interval
+from dstrain.reproduce.paper_record import PROTOCOL_SEED, totals
+from dstrain.reproduce.report import BENCH
+
 # The paper's gains come from drafts accepted several tokens deep: DSpark's lead over DFlash grows with the block
 # (§4.3, +16 % at γ = 7, +26-30 % at γ = 15). Below this share of rounds verifying position 4 (positions 1-3 all
 # accepted), a test measures position 1 and cannot speak to that claim.
@@ -118,3 +122,21 @@ def unseen(part: dict, skip: int) -> dict:
     """The held-out part without each domain's first `skip` prompts: the plateau subset, which picked the checkpoint."""
     return {**part, "totals": {d: {k: v[skip:] for k, v in t.items() if k in ("tokens", "rounds")}
                                for d, t in part["totals"].items()}}
+
+
+def by_temperature(evals: dict, sizes: dict, samples: int) -> dict:
+    """One record's evaluations summarised per temperature: benchmark τ per domain and macro with 95 % bootstrap
+    intervals over prompts, held-out τ on the prompts the curve subset never saw, how deep drafts are accepted."""
+    out = {}
+    for temp, part in evals.items():
+        bench, held = part["benchmarks"], part["held_out"]
+        rest = unseen(held, sizes["plateau_per_domain"])
+        out[temp] = {
+            "tau": {d: ratio_interval(*totals(bench, d), samples=samples, seed=PROTOCOL_SEED) for d in BENCH},
+            "macro": macro_interval({d: totals(bench, d) for d in BENCH}, samples=samples, seed=PROTOCOL_SEED),
+            "held_out_unseen_macro": macro_interval({d: totals(rest, d) for d in rest["totals"]}, samples=samples,
+                                                    seed=PROTOCOL_SEED),
+            "held_out_unseen_prompts": {d: len(t["tokens"]) for d, t in rest["totals"].items()},
+            "depth": depth(bench), "benchmarks": bench,
+            "seconds": {"held_out": held["seconds"], "benchmarks": bench["seconds"]}}
+    return out

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dstrain.eval.bootstrap import macro_interval, pooled_paired_difference, ratio_interval
-from dstrain.reproduce import paper_stats as PS
+from dstrain.eval.bootstrap import pooled_paired_difference
+from dstrain.errors import UserError
+from dstrain.reproduce import paper_reference, paper_stats as PS
 from dstrain.reproduce.paper import PAPER_FAMILIES, run_name
-from dstrain.reproduce.paper_record import PROTOCOL_SEED, check_one_protocol, evals_of, schedule_of, totals
+from dstrain.reproduce.paper_record import (PROTOCOL_SEED, check_one_protocol, evals_of, is_reference, schedule_of,
+                                            totals)
 from dstrain.reproduce.report import BENCH
 
 REFERENCE = "dspark-markov"
@@ -128,22 +130,16 @@ def planned_steps(rec: dict) -> int:
 
 
 def assemble(records: list[dict], samples: int = 2000) -> dict:
-    proto = check_one_protocol(records)
+    refs = [r for r in records if is_reference(r)]
+    records = [r for r in records if not is_reference(r)]
+    if not records:
+        raise UserError(f"{refs[0]['_path']}: only reference records here; a reference pairs with dstrain's runs "
+                        "(give their folder too, e.g. --records benchmarks/paper2-runs benchmarks/paper2-runs/deepspec)")
+    proto = check_one_protocol(records + refs)
     sz = proto["sizes"]
     runs = {}
     for rec in sorted(records, key=lambda r: (PAPER_FAMILIES.index(r["family"]), r["seed"])):
-        by_t = {}
-        for temp, part in evals_of(rec).items():
-            bench, held = part["benchmarks"], part["held_out"]
-            unseen = PS.unseen(held, sz["plateau_per_domain"])
-            by_t[temp] = {
-                "tau": {d: ratio_interval(*totals(bench, d), samples=samples, seed=PROTOCOL_SEED) for d in BENCH},
-                "macro": macro_interval({d: totals(bench, d) for d in BENCH}, samples=samples, seed=PROTOCOL_SEED),
-                "held_out_unseen_macro": macro_interval({d: totals(unseen, d) for d in unseen["totals"]}, samples=samples,
-                                                        seed=PROTOCOL_SEED),
-                "held_out_unseen_prompts": {d: len(t["tokens"]) for d, t in unseen["totals"].items()},
-                "depth": PS.depth(bench), "benchmarks": bench,
-                "seconds": {"held_out": held["seconds"], "benchmarks": bench["seconds"]}}
+        by_t = PS.by_temperature(evals_of(rec), sz, samples)
         runs[rec["run"]] = {"family": rec["family"], "label": rec["label"], "seed": rec["seed"], "code": rec["code"],
                             "created": rec["created"], "training": rec["training"], "curve": rec["curve"],
                             "ending": PS.ending(rec["training"], rec["curve"], planned_steps(rec), sz["epochs"],
@@ -157,14 +153,15 @@ def assemble(records: list[dict], samples: int = 2000) -> dict:
         tables[temp] = {"families": families, "versus_dspark": versus, "level": level,
                         "correction": f"Bonferroni over {max(len(versus), 1)} comparison(s) with DSpark: "
                                       f"{100 * level:.2f} % intervals"}
-    for r in runs.values():
+    references = paper_reference.assemble(refs, runs, temps, sz, samples) if refs else None
+    for r in [*runs.values(), *(references or {}).get("runs", {}).values()]:
         for part in r["by_t"].values():
             del part["benchmarks"]  # read above; the record holds it
     seeds = sorted({s for rec in records for s in rec.get("table_seeds", [])} | {rec["seed"] for rec in records})
     expected = [run_name(f, s) for s in seeds for f in PAPER_FAMILIES]
     return {"protocol": proto, "protocol_key": records[0]["protocol_key"], "runs": runs, "temperatures": temps,
-            "tables": tables, "missing": [x for x in expected if x not in runs],
-            "records": {rec["run"]: rec["_path"] for rec in records}}
+            "tables": tables, "missing": [x for x in expected if x not in runs], "references": references,
+            "records": {rec["run"]: rec["_path"] for rec in records + refs}}
 
 
 def write(records: list[dict], out: Path, samples: int = 2000) -> str:
