@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstrain.reproduce import paper_reference
 from dstrain.reproduce.paper import PAPER_FAMILIES
 from dstrain.reproduce.paper_record import PROTOCOL_SEED
 from dstrain.reproduce.paper_stats import DEEP_POSITION, T_LABEL
@@ -17,6 +16,14 @@ def _ci(x: dict) -> str:
 
 def _pct(v: dict, key: str = "gain") -> str:
     return f"{100 * v[key]:+.1f} % [{100 * v[key + '_lo']:+.1f}, {100 * v[key + '_hi']:+.1f}]"
+
+
+def difference_row(label: str, v: dict) -> str:
+    """A comparison's table row: its seeds, Δτ and the relative gain over prompts and over seeds, what decides."""
+    s = v["over_seeds"]
+    seed_cells = f"{s['diff']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}] | {_pct(s)}" if s["seeds"] >= 2 else "one seed | –"
+    return (f"| {label} | {v['seeds']} | {v['diff']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}] | {_pct(v)} | {seed_cells} | "
+            f"**{v['direction']}** ({v['unit']}) |")
 
 
 def train_time(training: dict) -> str:
@@ -109,11 +116,7 @@ def temperature_section(res: dict, temp: str) -> list[str]:
         if not v["seeds"]:
             vs.append(f"| {label} | – | {v['missing']} | | | | |")
             continue
-        s = v["over_seeds"]
-        seed_cells = (f"{s['diff']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}] | {_pct(s)}" if s["seeds"] >= 2
-                      else "one seed | –")
-        vs.append(f"| {label} | {v['seeds']} | {v['diff']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}] | {_pct(v)} | "
-                  f"{seed_cells} | **{v['direction']}** ({v['unit']}) |")
+        vs.append(difference_row(label, v))
         if v["verdict"]:
             claims.append(f"- vs {label}: {v['verdict']}.")
     untimed = [UNTIMED_LEGS, ""] if any(r["training"].get("legs") is None for r in res["runs"].values()) else []
@@ -123,7 +126,7 @@ def temperature_section(res: dict, temp: str) -> list[str]:
             "Over seeds: per seed the difference of macro τ, paired by seed, Student t over the seeds (the training "
             "seed's variance). With two seeds or more a difference is resolved when its seed interval excludes 0.", "",
             *vs, "", "### The paper's claims", "", *(claims or ["(needs DSpark and a baseline)"]), "",
-            *paper_reference.section(res, temp)]
+            *reference_section(res, temp)]
 
 
 def markdown(res: dict) -> str:
@@ -138,6 +141,51 @@ def markdown(res: dict) -> str:
         "tau_seeds.png: each run's benchmark macro τ and the family means. positions.png: the share of rounds that "
         "verify each draft position (every earlier position accepted), family means over seeds"
         + ("; dashed, the reference trainers'." if res.get("references") else "."), ""])
+
+
+def reference_section(res: dict, temp: str) -> list[str]:
+    """The page's lines for one temperature: each reference run, then dstrain − reference with both intervals and the
+    acceptance at each draft position side by side."""
+    ref = res.get("references")
+    if not ref or not ref["versus"].get(temp):
+        return []
+    lines = ["### dstrain against a reference trainer", "",
+             "The same samples, order, target features, steps and evaluator; the reference implementation's own model, "
+             "loss and optimiser settings (its record lists them). 95 % intervals: a question of its own, not corrected "
+             "with the family comparisons. With two seeds or more the seed interval decides.", "",
+             "| reference run | pairs with | commit | macro τ [95% CI] | held-out macro τ (unseen) | train |",
+             "|---|---|---|---|---|---|"]
+    for name, r in ref["runs"].items():
+        if temp in r["by_t"]:
+            p = r["by_t"][temp]
+            lines.append(f"| {r['label']} s{r['seed']} | {r['pairs_with']} | {(r['commit'] or '?')[:12]} | "
+                         f"{_ci(p['macro'])} | {_ci(p['held_out_unseen_macro'])} | {r['training']['seconds'] / 60:.0f} min |")
+    lines += ["", "| dstrain − reference | seeds | Δτ over prompts | relative over prompts | Δτ over seeds | "
+              "relative over seeds | resolved (by) |", "|---|---|---|---|---|---|---|"]
+    positions = []
+    for fam, v in ref["versus"][temp].items():
+        if not v["seeds"]:
+            lines.append(f"| {v['label']} | – | no dstrain run to pair with ({', '.join(v['missing'])} missing) | | | | |")
+            continue
+        lines.append(difference_row(f"{v['dstrain_label']} − {v['label']}", v))
+        c = v["conditional"]
+        k = len(c["dstrain"])
+        positions += ["", f"P(position k accepted | every earlier one accepted), macro over domains, mean over seeds "
+                      f"{v['seeds']}:", "", "| | " + " | ".join(f"k = {i + 1}" for i in range(k)) + " |",
+                      "|---|" + "---|" * k]
+        for who, label in (("dstrain", v["dstrain_label"]), ("reference", v["label"])):
+            positions.append(f"| {label} | " + " | ".join("–" if x != x else f"{100 * x:.1f} %" for x in c[who]) + " |")
+    return [*lines, *positions, ""]
+
+
+def plot_reference_reach(ax, res: dict, temp: str) -> None:
+    """Reference families on positions.png: the share of rounds verifying each position, dashed, beside dstrain's."""
+    ref = res.get("references")
+    for i, v in enumerate((ref or {}).get("versus", {}).get(temp, {}).values()):
+        if v["seeds"]:
+            reach = v["reach"]["reference"]
+            ax.plot(range(1, len(reach) + 1), [max(x, 1e-4) for x in reach], "--", marker="x", color=f"C{7 + i}",
+                    label=v["label"])
 
 
 def plots(res: dict, out: Path) -> None:
@@ -182,7 +230,7 @@ def plots(res: dict, out: Path) -> None:
             reach = f["reach_mean"]
             ax.plot(range(1, len(reach) + 1), [max(x, 1e-4) for x in reach], marker="o",
                     color=f"C{PAPER_FAMILIES.index(fam)}", label=f["label"])
-        paper_reference.plot_reach(ax, res, temp)
+        plot_reference_reach(ax, res, temp)
         ax.set_yscale("log")
         ax.set(xlabel="draft position k", ylabel="share of rounds verifying position k", title=T_LABEL[temp])
     save(fig, out / "positions.png", *axes[0])
