@@ -26,6 +26,7 @@ from dstrain.reproduce.report import BENCH
 
 SCHEMA = {"paper": 1, "paper2": 2}  # 2: evaluations keyed by temperature, per-prompt position counts, the schedule
 READABLE = (1, 2)
+PROTOCOL_SEED = 0  # benchmark prompts and decoding draws: the same for every run, so runs compare paired
 # a run of another implementation on a dstrain run's samples, order, features, steps and evaluator (its schema names the
 # tool, e.g. tools/deepspec_reference.py's "deepspec-reference/1"); `pairs_with` names that dstrain run
 REFERENCE_SUFFIX = "-reference/1"
@@ -33,7 +34,6 @@ REFERENCE_SUFFIX = "-reference/1"
 
 def is_reference(rec: dict) -> bool:
     return isinstance(rec.get("schema"), str) and rec["schema"].endswith(REFERENCE_SUFFIX) and "pairs_with" in rec
-PROTOCOL_SEED = 0  # benchmark prompts and decoding draws: the same for every run, so runs compare paired
 
 
 def recipe_key(text: str) -> str:

@@ -80,4 +80,3 @@ def assemble(refs: list[dict], runs: dict, temps: list[str], sizes: dict, sample
                 v.update(compare([(runs[r["pairs_with"]]["by_t"][temp], r["by_t"][temp]) for _, r in have], samples))
             versus[temp][fam] = v
     return {"runs": out, "versus": versus, "level": LEVEL}
-
