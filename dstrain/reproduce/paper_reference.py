@@ -72,9 +72,10 @@ def assemble(refs: list[dict], runs: dict, temps: list[str], sizes: dict, sample
         for fam in sorted({r["family"] for r in out.values()}):
             mine = [(name, r) for name, r in out.items() if r["family"] == fam and temp in r["by_t"]]
             have = [(name, r) for name, r in mine if temp in runs.get(r["pairs_with"], {}).get("by_t", {})]
+            paired = {name for name, _ in have}
             v = {"label": mine[0][1]["label"] if mine else fam, "seeds": [r["seed"] for _, r in have],
                  "pairs": [[r["pairs_with"], name] for name, r in have],
-                 "missing": [r["pairs_with"] for name, r in mine if name not in dict(have)]}
+                 "missing": [r["pairs_with"] for name, r in mine if name not in paired]}
             if have:
                 v["dstrain_label"] = runs[have[0][1]["pairs_with"]]["label"]
                 v.update(compare([(runs[r["pairs_with"]]["by_t"][temp], r["by_t"][temp]) for _, r in have], samples))
