@@ -77,6 +77,9 @@ def parser(prog: str | None) -> argparse.ArgumentParser:
                          "subset (dstrain/reproduce/paper.py); default %(default)s")
     ap.add_argument("--run", metavar="FAMILY:SEED", help="paper preset: train and evaluate this one run and write its "
                     "record to OUT/records (default: every run of the table in turn)")
+    ap.add_argument("--set", metavar="KEY=VALUE", action="append", help="paper presets: a recipe change every run gets "
+                    "after the preset's own settings (repeatable), e.g. --set train.lr=6e-4 --set loss.gamma_decay=4.0; "
+                    "it enters the protocol key, so such records never mix with the protocol's own (default: none)")
     ap.add_argument("--record-to", metavar="DIR", help="paper preset: also copy each run's record into DIR, e.g. the "
                     "committed benchmarks/paper-runs (default: none)")
     ap.add_argument("--records", metavar="DIR", nargs="+", help="paper preset: assemble the table into OUT from the run "
@@ -138,7 +141,8 @@ def dry_run(args: argparse.Namespace) -> int:
         runs = planned_runs(args, sizes)
         plan = PP.estimates(sizes, train_prompts, runs)
         what = (f"{sizes.preset} preset: {', '.join(PP.run_name(f, s) for f, s in runs)}, {PP.describe(sizes)}; records "
-                f"to {cfg.out / 'records'}" + (f" and {args.record_to}" if args.record_to else ""))
+                f"to {cfg.out / 'records'}" + (f" and {args.record_to}" if args.record_to else "")
+                + (f"; every run with {' '.join(cfg.sets)} (a protocol of its own)" if cfg.sets else ""))
     else:
         cfg = make_config(args)
         plan = S.estimates(cfg, train_prompts)
@@ -161,9 +165,11 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     args.invocation = getattr(args, "invocation", (["dstrain", "table"], sys.argv[1:]))
     args.argv = args.invocation[1]  # the command line is recorded in results.json
-    if args.preset == "budget" and (args.run or args.records or args.record_to):
-        raise UserError("--run, --records and --record-to belong to the paper presets: add --preset paper2 (or paper "
-                        "for protocol 1's records)")
+    if args.preset == "budget" and (args.run or args.records or args.record_to or args.set):
+        raise UserError("--run, --records, --record-to and --set belong to the paper presets: add --preset paper2 (or "
+                        "paper for protocol 1's records)")
+    if args.records and args.set:
+        raise UserError("--set changes the runs a table trains; --records assembles records as they were: drop --set")
     if args.records and args.run:
         raise UserError("--records assembles the table from records and --run makes one: give one of them")
     if args.dry_run and not args.records:

@@ -20,11 +20,16 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dstrain.errors import UserError
 from dstrain.reproduce import stages as S
 from dstrain.reproduce.families import FAMILIES, family_overrides
 
 PAPER_FAMILIES = ("dspark-markov", "dflash", "eagle3")
 DEPTH = {"dspark-markov": 5, "dflash": 5, "eagle3": 1}
+# What --set may not change: a run's identity, data and evaluation, and what the protocol fixes per family
+PRESET_PREFIXES = ("run.", "data.", "eval.", "world.", "train.feature_cache")
+PRESET_KEYS = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "drafter.type",
+               "drafter.head", "drafter.confidence", "drafter.num_layers", "drafter.block_size")
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,21 @@ def fixed_schedule(sizes: PaperSizes) -> bool:
     return sizes.patience == 0
 
 
+def check_sets(items) -> tuple[str, ...]:
+    """--set KEY=VALUE items, in order; a key the preset owns is refused (its runs would not be the protocol's)."""
+    out = []
+    for item in items or ():
+        key, sep, _ = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"--set {item}: give KEY=VALUE, a recipe key and its value, e.g. --set loss.gamma_decay=4.0")
+        if key in PRESET_KEYS or key.startswith(PRESET_PREFIXES):
+            raise UserError(f"--set {item}: {key} is set by the preset itself (run identity, data, evaluation, steps, "
+                            "family and depth); change a recipe key it leaves alone (loss.*, train.lr, drafter.ffn.*, ...)")
+        out.append(f"{key}={item.partition('=')[2]}")
+    return tuple(out)
+
+
 def describe(sizes: PaperSizes) -> str:
     """The resolved plan of a preset in one line (the run's banner and --dry-run)."""
     if fixed_schedule(sizes):
@@ -79,8 +99,6 @@ def describe(sizes: PaperSizes) -> str:
 
 def parse_run(text: str, sizes: PaperSizes) -> tuple[str, int]:
     """'FAMILY:SEED' → (family, seed), checked against the preset."""
-    from dstrain.errors import UserError
-
     family, _, seed = text.partition(":")
     if family not in PAPER_FAMILIES or not seed.isdigit():
         raise UserError(f"--run {text}: give FAMILY:SEED with FAMILY one of {', '.join(PAPER_FAMILIES)} and SEED a "
@@ -112,7 +130,7 @@ def overrides(cfg: S.Config, recipe, sizes: PaperSizes, family: str, seed: int, 
           f"drafter.block_size={sizes.block_size}", f"loss.gamma_decay={float(sizes.block_size)}",
           f"eval.every={per_epoch}", f"eval.corpus={cfg.corpus}", f"eval.per_domain={sizes.plateau_per_domain}",
           f"eval.max_new_tokens={sizes.eval_new_tokens}", f"eval.batch={sizes.plateau_per_domain}",
-          f"eval.patience={sizes.patience}"]
+          f"eval.patience={sizes.patience}", *cfg.sets]
     if cfg.feature_cache is not None:  # one target pass for every run (seeds included: features depend on the sample)
         union = sorted(set(resolve_capture_layers(recipe.target.name, target_layers, recipe.target.capture_layers,
                                                   recipe.target.num_capture)))

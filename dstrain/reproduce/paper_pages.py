@@ -54,7 +54,9 @@ def protocol_words(res: dict) -> str:
     return (head + train + f" on {sz['held_out_per_domain']} held-out prompts per domain ({sz['eval_new_tokens']} new "
             f"tokens; the held-out τ below leaves out the subset's prompts) and on {sz['bench_prompts']} prompts per "
             f"benchmark (drawn with seed {PROTOCOL_SEED}, stratified by category, {sz['bench_new_tokens']} new tokens), "
-            f"at {temps}, every draft verified, the same prompts and draws for every run.")
+            f"at {temps}, every draft verified, the same prompts and draws for every run."
+            + (f" Every run trained with these changes to the recipe: {', '.join(f'`{x}`' for x in proto['set'])}."
+               if proto.get("set") else ""))
 
 
 def endings(res: dict) -> list[str]:

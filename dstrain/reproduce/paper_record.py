@@ -43,8 +43,9 @@ def recipe_key(text: str) -> str:
     return S.key_of(yaml.safe_load(text))
 
 
-def protocol(sizes, recipe_path: str, corpus_folder: Path, target: str, depth: dict) -> dict:
-    """Everything that decides what a record's numbers mean; the seeds are not part of it (a record is one seed)."""
+def protocol(sizes, recipe_path: str, corpus_folder: Path, target: str, depth: dict, sets: tuple[str, ...] = ()) -> dict:
+    """Everything that decides what a record's numbers mean; the seeds are not part of it (a record is one seed).
+    --set's recipe changes enter only when given: the protocol without them keeps its key."""
     from dstrain.data import corpus
 
     man = corpus.manifest(corpus_folder)
@@ -53,7 +54,7 @@ def protocol(sizes, recipe_path: str, corpus_folder: Path, target: str, depth: d
         sz = {k: v for k, v in sz.items() if k not in ("preset", "temperatures", "positions")}
     return {"preset": sizes.preset, "sizes": sz, "depth": dict(depth), "target": target, "protocol_seed": PROTOCOL_SEED,
             "recipe_sha256": recipe_key(Path(recipe_path).read_text()), "corpus_sha256": man["sha256"],
-            "held_out_rule": man["held_out"]["rule"]}
+            "held_out_rule": man["held_out"]["rule"], **({"set": list(sets)} if sets else {})}
 
 
 def code_version() -> dict:

@@ -17,6 +17,7 @@ from dstrain.errors import UserError
 
 
 def make_config(args, sizes):
+    from dstrain.reproduce.paper import check_sets
     from dstrain.reproduce.stages import Config
 
     if args.device == "cuda":
@@ -28,6 +29,11 @@ def make_config(args, sizes):
     from dstrain.config.files import resolve_recipe_path
 
     args.recipe = str(resolve_recipe_path(args.recipe, "--recipe"))  # a file or a shipped recipe's name
+    sets = check_sets(getattr(args, "set", None))  # the DeepSpec tool's arguments have no --set
+    if sets:  # a misspelt key or a bad value fails here, dry runs included, not hours into a run
+        from dstrain.config.schema import load_recipe
+
+        load_recipe(args.recipe, list(sets))
     out = Path(args.out).resolve()
     cache = None if args.no_feature_cache else Path(args.feature_cache) if args.feature_cache else out / "feature_cache"
     return Config(out=out, recipe=str(Path(args.recipe).resolve()), corpus=resolve_corpus(args.corpus),
@@ -35,7 +41,8 @@ def make_config(args, sizes):
                   batch=sizes.bench_prompts, device=args.device, seed=args.seed, curve_points=1,
                   curve_prompts=sizes.plateau_per_domain, curve_new_tokens=sizes.eval_new_tokens,
                   feature_cache=cache and cache.resolve(), feature_cache_gb=args.feature_cache_gb, threads=args.threads,
-                  bootstrap_samples=args.bootstrap, resume=args.resume, keep_checkpoints=True, argv=list(args.argv))
+                  bootstrap_samples=args.bootstrap, resume=args.resume, keep_checkpoints=True, argv=list(args.argv),
+                  sets=sets)
 
 
 def sizes_of(args):
@@ -86,7 +93,7 @@ def run_paper(args) -> int:
     lock = hold_out_folder(cfg.out, args.argv)  # noqa: F841  (held until this process exits)
     torch.set_num_threads(cfg.threads)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    recipe = load_recipe(cfg.recipe, [f"data.shards={cfg.out / 'data' / 'shards'}", f"run.seed={cfg.seed}"])
+    recipe = load_recipe(cfg.recipe, [f"data.shards={cfg.out / 'data' / 'shards'}", f"run.seed={cfg.seed}", *cfg.sets])
     man = corpus.manifest(cfg.corpus)
     train_prompts = man.get("held_out", {}).get("train_prompts", man["records"])
     cache_filled = cfg.feature_cache is not None and cfg.feature_cache.is_dir() and any(cfg.feature_cache.iterdir())
@@ -100,7 +107,7 @@ def run_paper(args) -> int:
     if args.stop_after == "data":
         return 0
     layers = AutoConfig.from_pretrained(target_folder(recipe.target)).num_hidden_layers
-    proto = paper_record.protocol(sizes, cfg.recipe, cfg.corpus, recipe.target.name, PP.DEPTH)
+    proto = paper_record.protocol(sizes, cfg.recipe, cfg.corpus, recipe.target.name, PP.DEPTH, cfg.sets)
     ev = None
     for fam, seed in runs:
         t0 = time.perf_counter()

@@ -54,6 +54,7 @@ class Config:
     resume: bool = True
     keep_checkpoints: bool = False
     argv: list[str] = field(default_factory=list)
+    sets: tuple[str, ...] = ()  # paper presets: recipe overrides every run gets after the preset's (--set)
 
 
 def key_of(obj) -> str:
