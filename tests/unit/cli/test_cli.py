@@ -34,7 +34,7 @@ HELP_NAMES = {
     "export": ["run", "out", "--format", "speculators"],
     "eval": ["--drafter", "--prompts", "--limit", "--threshold"],
     "calibrate": ["drafter", "--rollouts", "--count"],
-    "table": ["--families", "--preset", "--quick", "--dry-run"],
+    "table": ["--families", "--preset", "--quick", "--dry-run", "--set"],
     "simulate": ["--rollouts", "--sps", "--concurrency"],
     "demo": ["--recipe", "--corpus", "--fresh-prompts", "--run-dir", "--bench-prompts"],
     "docs recipes": ["usage: dstrain docs recipes"],
