@@ -128,7 +128,7 @@ def temperature_section(res: dict, temp: str) -> list[str]:
             "Over seeds: per seed the difference of macro τ, paired by seed, Student t over the seeds (the training "
             "seed's variance). With two seeds or more a difference is resolved when its seed interval excludes 0.", "",
             *vs, "", "### The paper's claims", "", *(claims or ["(needs DSpark and a baseline)"]), "",
-            *reference_section(res, temp)]
+            *reference_section(res, temp), *changes_section(res, temp)]
 
 
 def markdown(res: dict) -> str:
@@ -177,7 +177,62 @@ def reference_section(res: dict, temp: str) -> list[str]:
                       "|---|" + "---|" * k]
         for who, label in (("dstrain", v["dstrain_label"]), ("reference", v["label"])):
             positions.append(f"| {label} | " + " | ".join("–" if x != x else f"{100 * x:.1f} %" for x in c[who]) + " |")
+        tt = v["training_tau"]
+        positions += [] if temp != res["temperatures"][0] else ["", *epoch_table([(v["dstrain_label"], tt["dstrain"]), (v["label"], tt["reference"])],
+                                       ("dstrain − reference", tt["dstrain"], tt["reference"]))]
     return [*lines, *positions, ""]
+
+
+TRAINING_TAU_WORDS = ("Training τ̂ per epoch, the mean over its logged steps (the same samples at the same steps for every "
+                      "run of a seed) of 1 + Σ_k Π_{j ≤ k} a_j, a_j the step's mean acceptance (1 − TV) at position j, "
+                      "the same form for both trainers; on training batches, so a guide to where runs part, not a "
+                      "held-out score:")
+
+
+def epoch_table(rows: list[tuple[str, list[float]]], diff: tuple[str, list[float], list[float]]) -> list[str]:
+    """Training τ̂ per epoch for each row and one difference row."""
+    k = max(len(x) for _, x in rows)
+    cell = lambda x: "–" if x != x else f"{x:.3f}"  # noqa: E731  (nan: no logged step in that epoch)
+    out = [TRAINING_TAU_WORDS, "", "| | " + " | ".join(f"epoch {i + 1}" for i in range(k)) + " |", "|---|" + "---|" * k]
+    out += [f"| {label} | " + " | ".join(cell(x) for x in xs) + " |" for label, xs in rows]
+    label, a, b = diff
+    return out + [f"| {label} | " + " | ".join("–" if x != x or y != y else f"{x - y:+.3f}" for x, y in zip(a, b)) + " |"]
+
+
+def changes_section(res: dict, temp: str) -> list[str]:
+    """Recipe changes (dstrain table --set) against the protocol's run of the same family and seed, and against the
+    reference run paired with it where there is one."""
+    changes = res.get("changes")
+    if not changes:
+        return []
+    lines = ["### Recipe changes (dstrain table --set)", "",
+             "Each change trained on the same samples, order, features, steps and evaluator as the protocol's run of its "
+             "family and seed; 95 % intervals, a question of their own. With two seeds or more the seed interval decides.",
+             "", "| change | run | macro τ [95% CI] | held-out macro τ (unseen) | train | code |", "|---|---|---|---|---|---|"]
+    diffs, epochs = ["", "| comparison | seeds | Δτ over prompts | relative over prompts | Δτ over seeds | relative over "
+                     "seeds | resolved (by) |", "|---|---|---|---|---|---|---|"], []
+    for label, ch in changes.items():
+        for name, r in ch["runs"].items():
+            if temp in r["by_t"]:
+                p = r["by_t"][temp]
+                lines.append(f"| `{label}` | {r['label']} s{r['seed']} | {_ci(p['macro'])} | "
+                             f"{_ci(p['held_out_unseen_macro'])} | {train_time(r['training'])} | "
+                             f"{r['code']['commit'][:8]}{'+dirty' if r['code']['dirty'] else ''} |")
+        for fam, v in ch["versus"].get(temp, {}).items():
+            if not v["seeds"]:
+                diffs.append(f"| `{label}`: {v['label']} | – | the protocol's run is missing ({', '.join(v['missing'])}) "
+                             "| | | | |")
+                continue
+            diffs.append(difference_row(f"`{label}`: {v['label']} − the protocol's", v["protocol"]))
+            tt = v["training_tau"]
+            rows = [("the protocol's", tt["protocol"]), (f"`{label}`", tt["change"])]
+            if "reference" in v:
+                diffs.append(difference_row(f"`{label}`: {v['label']} − {v['reference_label']}", v["reference"]))
+                rows.append((v["reference_label"], tt["reference"]))
+            if temp == res["temperatures"][0]:  # training does not depend on the evaluation's temperature: once
+                epochs += ["", f"{v['label']}, `{label}`, seeds {v['seeds']}:", "",
+                           *epoch_table(rows, ("the change − the protocol's", tt["change"], tt["protocol"]))]
+    return [*lines, *diffs, *epochs, ""]
 
 
 def plot_reference_reach(ax, res: dict, temp: str) -> None:

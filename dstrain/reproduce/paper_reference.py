@@ -33,28 +33,24 @@ def conditional_macro(bench: dict) -> list[float]:
     return out
 
 
-def _mean_columns(rows: list[list[float]]) -> list[float]:
-    return [sum(col) / len(col) for col in zip(*rows)]
+def _direction(v: dict, first: str) -> str:
+    return f"{first} ahead" if v["lo"] > 0 else f"{first} behind" if v["hi"] < 0 else "not resolved"
 
 
-def _direction(v: dict) -> str:
-    return "dstrain ahead" if v["lo"] > 0 else "dstrain behind" if v["hi"] < 0 else "not resolved"
-
-
-def compare(pairs: list[tuple[dict, dict]], samples: int) -> dict:
-    """dstrain − reference over `pairs` of (dstrain, reference) per-temperature summaries (paper_stats.by_temperature),
-    one pair per seed."""
+def compare(pairs: list[tuple[dict, dict]], samples: int, names: tuple[str, str] = ("dstrain", "reference")) -> dict:
+    """first − second over `pairs` of per-temperature summaries (paper_stats.by_temperature), one pair per seed: by
+    default (dstrain, reference); paper_variants compares (a recipe change, the protocol's run) the same way."""
     a = [{d: totals(x["benchmarks"], d) for d in BENCH} for x, _ in pairs]
     b = [{d: totals(y["benchmarks"], d) for d in BENCH} for _, y in pairs]
     over_prompts = pooled_paired_difference(a, b, samples, LEVEL, seed=PROTOCOL_SEED)
     over_seeds = PS.seed_difference([x["macro"]["tau"] for x, _ in pairs], [y["macro"]["tau"] for _, y in pairs], LEVEL)
     decisive = over_seeds if len(pairs) >= 2 else over_prompts
     return {**over_prompts, "over_seeds": over_seeds, "unit": "seeds" if len(pairs) >= 2 else "prompts",
-            "resolved": bool(decisive["lo"] > 0 or decisive["hi"] < 0), "direction": _direction(decisive),
-            "conditional": {"dstrain": _mean_columns([conditional_macro(x["benchmarks"]) for x, _ in pairs]),
-                            "reference": _mean_columns([conditional_macro(y["benchmarks"]) for _, y in pairs])},
-            "reach": {"dstrain": _mean_columns([x["depth"]["reach"] for x, _ in pairs]),
-                      "reference": _mean_columns([y["depth"]["reach"] for _, y in pairs])}}
+            "resolved": bool(decisive["lo"] > 0 or decisive["hi"] < 0), "direction": _direction(decisive, names[0]),
+            "conditional": {names[0]: PS.mean_columns([conditional_macro(x["benchmarks"]) for x, _ in pairs]),
+                            names[1]: PS.mean_columns([conditional_macro(y["benchmarks"]) for _, y in pairs])},
+            "reach": {names[0]: PS.mean_columns([x["depth"]["reach"] for x, _ in pairs]),
+                      names[1]: PS.mean_columns([y["depth"]["reach"] for _, y in pairs])}}
 
 
 def assemble(refs: list[dict], runs: dict, temps: list[str], sizes: dict, samples: int) -> dict:
@@ -65,7 +61,8 @@ def assemble(refs: list[dict], runs: dict, temps: list[str], sizes: dict, sample
         out[rec["run"]] = {"family": rec["family"], "label": rec["label"], "seed": rec["seed"],
                            "pairs_with": rec["pairs_with"], "commit": commit_of(rec), "code": rec["code"],
                            "training": {k: rec["training"].get(k) for k in ("steps", "seconds")},
-                           "by_t": PS.by_temperature(rec["evals"], sizes, samples)}
+                           "by_t": PS.by_temperature(rec["evals"], sizes, samples),
+                           "training_tau": PS.epoch_taus(rec, sizes["epochs"])}
     versus = {}
     for temp in temps:
         versus[temp] = {}
@@ -79,5 +76,8 @@ def assemble(refs: list[dict], runs: dict, temps: list[str], sizes: dict, sample
             if have:
                 v["dstrain_label"] = runs[have[0][1]["pairs_with"]]["label"]
                 v.update(compare([(runs[r["pairs_with"]]["by_t"][temp], r["by_t"][temp]) for _, r in have], samples))
+                v["training_tau"] = {"dstrain": PS.mean_columns([PS.epoch_taus(runs[r["pairs_with"]], sizes["epochs"])
+                                                                 for _, r in have]),
+                                     "reference": PS.mean_columns([r["training_tau"] for _, r in have])}
             versus[temp][fam] = v
     return {"runs": out, "versus": versus, "level": LEVEL}

@@ -140,3 +140,41 @@ def by_temperature(evals: dict, sizes: dict, samples: int) -> dict:
             "depth": depth(bench), "benchmarks": bench,
             "seconds": {"held_out": held["seconds"], "benchmarks": bench["seconds"]}}
     return out
+
+
+def training_tau(curve: dict) -> list[tuple[int, float]]:
+    """(step, τ̂) of a record's logged training steps in one form for every trainer: 1 + Σ_k Π_{j ≤ k} of the mean
+    acceptance at position j. dstrain logs it as tau_hat; a reference logs per-position means (DeepSpec's
+    `train/accept_rate@k`, k from 0), whose own τ̂ averages the product per block instead, which reads higher."""
+    out = []
+    for row in curve.get("training", []):
+        if "tau_hat" in row:
+            out.append((int(row["step"]), float(row["tau_hat"])))
+            continue
+        rates = [row[f"train/accept_rate@{k}"] for k in range(len(row)) if f"train/accept_rate@{k}" in row]
+        if rates:
+            tau, survive = 1.0, 1.0
+            for a in rates:
+                survive *= a
+                tau += survive
+            out.append((int(row["step"]), tau))
+    return out
+
+
+def training_by_epoch(curve: dict, epoch_steps: int, epochs: int) -> list[float]:
+    """Mean training τ̂ (training_tau) over each epoch's logged steps; nan for an epoch with none."""
+    points = training_tau(curve)
+    out = []
+    for e in range(epochs):
+        xs = [t for s, t in points if e * epoch_steps < s <= (e + 1) * epoch_steps]
+        out.append(sum(xs) / len(xs) if xs else float("nan"))
+    return out
+
+
+def epoch_taus(run: dict, epochs: int) -> list[float]:
+    """A record's (or an assembled run's: its curve and training kept) training τ̂ per epoch of its schedule."""
+    return training_by_epoch(run["curve"], max(1, run["training"]["steps"] // epochs), epochs)
+
+
+def mean_columns(rows: list[list[float]]) -> list[float]:
+    return [sum(col) / len(col) for col in zip(*rows)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dstrain.eval.bootstrap import pooled_paired_difference
 from dstrain.errors import UserError
-from dstrain.reproduce import paper_reference, paper_stats as PS
+from dstrain.reproduce import paper_reference, paper_stats as PS, paper_variants
 from dstrain.reproduce.paper import PAPER_FAMILIES, run_name
 from dstrain.reproduce.paper_record import (PROTOCOL_SEED, check_one_protocol, evals_of, is_reference, schedule_of,
                                             totals)
@@ -135,6 +135,7 @@ def assemble(records: list[dict], samples: int = 2000) -> dict:
     if not records:
         raise UserError(f"{refs[0]['_path']}: only reference records here; a reference pairs with dstrain's runs "
                         "(give their folder too, e.g. --records benchmarks/paper2-runs benchmarks/paper2-runs/deepspec)")
+    records, variants = paper_variants.split(records)
     proto = check_one_protocol(records + refs)
     sz = proto["sizes"]
     runs = {}
@@ -154,14 +155,18 @@ def assemble(records: list[dict], samples: int = 2000) -> dict:
                         "correction": f"Bonferroni over {max(len(versus), 1)} comparison(s) with DSpark: "
                                       f"{100 * level:.2f} % intervals"}
     references = paper_reference.assemble(refs, runs, temps, sz, samples) if refs else None
-    for r in [*runs.values(), *(references or {}).get("runs", {}).values()]:
+    changes = paper_variants.assemble(variants, proto, runs, references, temps, sz, samples) if variants else None
+    for r in [*runs.values(), *(references or {}).get("runs", {}).values(),
+              *(r for ch in (changes or {}).values() for r in ch["runs"].values())]:
         for part in r["by_t"].values():
             del part["benchmarks"]  # read above; the record holds it
     seeds = sorted({s for rec in records for s in rec.get("table_seeds", [])} | {rec["seed"] for rec in records})
     expected = [run_name(f, s) for s in seeds for f in PAPER_FAMILIES]
     return {"protocol": proto, "protocol_key": records[0]["protocol_key"], "runs": runs, "temperatures": temps,
             "tables": tables, "missing": [x for x in expected if x not in runs], "references": references,
-            "records": {rec["run"]: rec["_path"] for rec in records + refs}}
+            "records": {rec["run"]: rec["_path"] for rec in records + refs}, **({"changes": changes} if changes else {}),
+            **({"change_records": {f"{paper_variants.change_label(r['protocol'])}: {r['run']}": r["_path"]
+                                   for r in variants}} if variants else {})}
 
 
 def write(records: list[dict], out: Path, samples: int = 2000) -> str:
