@@ -2,8 +2,10 @@
 metrics back once per log line, with one copy of one stacked tensor. On a GPU a `.item()` inside the step would
 make the host wait for everything queued before it, every step.
 
-Logged values keep their meaning: losses, acceptance, τ̂, grad_norm and calibration_error are the last step's (the
-step of the log line); supervised positions and tokens are summed over the window (they become rates).
+Logged values are the window's, every step since the last log line: losses the mean over its steps, acceptance (and
+so τ̂) pooled over its supervised positions, calibration_error over its positions, supervised positions and tokens
+summed (they become rates); grad_norm is the last step's. One step's values swing with its two samples; a curve of
+window values is what a run's (and a reference trainer's, whose logger pools the same way) progress reads from.
 """
 
 from __future__ import annotations
@@ -42,38 +44,48 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
 
 
 class MetricWindow:
-    """The device metrics of the steps since the last log line: the last step's stats and the window's sums."""
+    """The device metrics of the steps since the last log line: the last step's values and the window's sums."""
+
+    POOLED = ("stats", "calibration")  # summed over the window: loss means (divided by the steps at read), sums, counts
 
     def __init__(self):
-        self.last, self.sums = None, None
+        self.last, self.sums, self.pooled, self.steps = None, None, {}, 0
 
     def add(self, stats: dict) -> None:
-        """`stats`: name -> device tensor (or host float: a value a library already read back). `positions` and
-        `tokens` are summed over the window, the rest is the last step's."""
+        """`stats`: name -> device tensor (or host float: a value a library already read back). `positions`,
+        `tokens` and the POOLED tensors are summed over the window (device adds, no read), the rest is the last step's."""
         self.last = stats
+        self.steps += 1
         summed = torch.stack([stats["positions"], stats["tokens"]]).double()
         self.sums = summed if self.sums is None else self.sums + summed
+        for k in self.POOLED:
+            if k in stats:
+                v = stats[k].detach().double()
+                self.pooled[k] = v if k not in self.pooled else self.pooled[k] + v
 
     def read(self, extra: dict | None = None) -> tuple[dict, dict]:
         """One device→host copy of every tensor of the last step (and of `extra`, name -> device tensor), the window
         sums included; then the window starts afresh. Returns (last step's values, extra's) as host lists/floats."""
         extra = extra or {}
-        parts = [v for v in self.last.values() if isinstance(v, torch.Tensor)] + list(extra.values()) + [self.sums]
+        parts = ([v for k, v in self.last.items() if isinstance(v, torch.Tensor) and k not in self.pooled]
+                 + list(extra.values()) + [self.sums, *self.pooled.values()])
         flat = torch.cat([v.detach().reshape(-1).double() for v in parts]).cpu()
         read, at = [], 0
         for v in parts:
             read.append(flat[at : at + v.numel()].view(v.shape))
             at += v.numel()
         got = iter(read)
-        last = {k: next(got) if isinstance(v, torch.Tensor) else v for k, v in self.last.items()}
+        last = {k: next(got) if isinstance(v, torch.Tensor) else v for k, v in self.last.items() if k not in self.pooled}
         extra = {k: next(got) for k in extra}
         last["positions"], last["tokens"] = (int(round(float(x))) for x in next(got))
-        self.last, self.sums = None, None
+        last.update({k: next(got) for k in self.pooled})
+        last["stats"][:4] /= self.steps  # per-step loss means → the window's mean; the rest stay sums and counts
+        self.last, self.sums, self.pooled, self.steps = None, None, {}, 0
         return last, extra
 
 
 def step_values(last: dict, loss_cfg, gamma: int, dp_world: int) -> dict:
-    """The logged metrics of the last step, from MetricWindow.read: host arithmetic on its all-reduced sums
+    """The logged metrics of the window, from MetricWindow.read: host arithmetic on its all-reduced sums
     [ce, tv, conf, aux, tokens, acceptance sums (γ), supervised positions (γ)] in float32, as they were summed."""
     stats = last["stats"].float()
     pos = stats[5 : 5 + gamma] / stats[5 + gamma :].clamp(min=1)
