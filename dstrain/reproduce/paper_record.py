@@ -190,7 +190,7 @@ def load(folders: list[Path]) -> list[dict]:
             if not isinstance(rec, dict) or "protocol_key" not in rec or not (rec.get("schema") in READABLE
                                                                             or is_reference(rec)):
                 continue  # another file kept beside the records (a README's JSON, a results file)
-            ident = (rec["family"], rec["seed"])
+            ident = (rec["family"], rec["seed"], rec["protocol_key"])  # a recipe change's run has its base run's name
             if ident in seen:
                 raise UserError(f"{path} and {seen[ident]} are both {rec['run']}: keep one of them")
             seen[ident] = path

@@ -71,3 +71,18 @@ def test_training_tau_is_one_form_for_both_logs():
     assert PS.training_tau(theirs) == [(2, pytest.approx(1 + 0.5 + 0.5 * 0.4))]  # Π of means, not its own 9
     by_epoch = PS.training_by_epoch(ours, 2, 4)
     assert by_epoch[:3] == [1.5, 1.7, 2.0] and math.isnan(by_epoch[3])
+
+
+def test_a_changed_run_loads_beside_its_base_run_of_the_same_name(tmp_path):
+    import json
+
+    from dstrain.reproduce.paper_record import load
+
+    base = _dstrain()
+    for folder, rec in (("base", base), ("changed", _change(base)), ("again", _change(base))):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "dspark-markov-s0.json").write_text(json.dumps({k: v for k, v in rec.items() if k != "_path"}))
+    records = load([tmp_path / "base", tmp_path / "changed"])
+    assert len(records) == 2 and "changes" in assemble(records, samples=50)
+    with pytest.raises(UserError, match="are both dspark-markov-s0: keep one of them"):
+        load([tmp_path / "base", tmp_path / "changed", tmp_path / "again"])
