@@ -253,6 +253,8 @@ class TrainConfig(Section):
     min_lr: float = Field(6e-5, ge=0.0, description="learning rate at the end of the cosine decay")
     warmup_steps: int = Field(50, ge=0, description="linear warmup steps")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (β1, β2); a resume takes the recipe's. β2 = 0.95 is "
+                                       "LLM pretraining's choice; DeepSpec's drafter trainers keep torch's 0.999")
     clip_grad: float = Field(1.0, gt=0.0, description="gradient norm clipping")
     log_every: int = Field(10, ge=1, description="steps between logged metric lines (metrics.jsonl, wandb)")
     checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")
@@ -273,6 +275,12 @@ class TrainConfig(Section):
                                                    "superset of the run's own capture layers, which it reads from them: runs "
                                                    "with different capture layers (the family table's MTP-1) share one target "
                                                    "pass (null = the run's own layers)")
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> "TrainConfig":
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train.betas={list(self.betas)}: each must be in [0, 1), e.g. [0.9, 0.999]")
+        return self
 
 
 class EvalConfig(Section):

@@ -4,7 +4,7 @@ torch's default on CPU parameters is the single-tensor loop: about ten elementwi
 and its two moments, one Python-dispatched op at a time; the fused kernel makes one. On the paper preset's DSpark run
 the single-tensor step was a tenth of the training step (sampled with py-spy), and tools/bench_optimizer.py measures
 the kernels against each other and against the memory-traffic floor. Resuming keeps the kernel the checkpoint was
-saved with (torch restores a group's `fused`/`foreach` from the checkpoint).
+saved with (torch restores a group's `fused`/`foreach` from the checkpoint); its betas are the recipe's (use_recipe_betas).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 FUSED_DEVICES = {"cpu", "cuda"}  # torch's fused AdamW kernels that this project runs on
-BETAS = (0.9, 0.95)
 
 
 def make_optimizer(drafter: torch.nn.Module, train_cfg, impl: str = "fused") -> torch.optim.AdamW:
@@ -25,4 +24,10 @@ def make_optimizer(drafter: torch.nn.Module, train_cfg, impl: str = "fused") -> 
     kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[impl]
     if impl == "fused" and not all(p.device.type in FUSED_DEVICES for p in params):
         kind = {}
-    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=BETAS, **kind)
+    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), **kind)
+
+
+def use_recipe_betas(optimizer: torch.optim.Optimizer, train_cfg) -> None:
+    """After a resume: torch restores each group's betas from the checkpoint; the recipe's are the ones to train on."""
+    for group in optimizer.param_groups:
+        group["betas"] = tuple(train_cfg.betas)

@@ -26,7 +26,7 @@ from dstrain.runtime.watchdog import progress
 from dstrain.train import compiling, resume_check
 from dstrain.runtime import checkpoint
 from dstrain.train.losses import position_weights
-from dstrain.train.optimizer import make_optimizer
+from dstrain.train.optimizer import make_optimizer, use_recipe_betas
 from dstrain.train.schedule import lr_lambda
 from dstrain.train.step import DraftStep
 from dstrain.train.step_metrics import MetricWindow, calibration_bins, clip_grad_norm, step_values
@@ -168,6 +168,7 @@ class Trainer:
         if tag is None:
             return
         client = checkpoint.load(self.engine, self.load_dir, tag)
+        use_recipe_betas(self.engine.optimizer, self.recipe.train)
         self.source.load_state_dict(client["loader"])
         self.step = client["step"]
         self.resumed_from = self.step

@@ -5,7 +5,7 @@ import torch
 
 from conftest import run_tool
 from dstrain.config.schema import TrainConfig
-from dstrain.train.optimizer import make_optimizer
+from dstrain.train.optimizer import make_optimizer, use_recipe_betas
 
 
 def _model(device="cpu"):
@@ -31,6 +31,22 @@ def test_fused_adamw_takes_the_single_tensor_steps():
     moved = (runs["single"] - torch.cat([p.detach().flatten() for p in _model().parameters()])).abs().max()
     assert moved > 1e-2  # the steps did move the weights
     torch.testing.assert_close(runs["fused"], runs["single"], rtol=0, atol=1e-6)
+
+
+def test_the_recipe_betas_hold_through_a_resume():
+    """torch's load_state_dict puts the checkpoint's betas back into every group: a resume that changes train.betas
+    would silently train on the old ones without use_recipe_betas."""
+    model = _model()
+    saved = make_optimizer(model, TrainConfig(betas=(0.9, 0.95)))
+    model(torch.randn(4, 16)).sum().backward()
+    saved.step()
+    new = TrainConfig(betas=(0.9, 0.999))
+    opt = make_optimizer(model, new)
+    assert {g["betas"] for g in opt.param_groups} == {(0.9, 0.999)}
+    opt.load_state_dict(saved.state_dict())
+    assert {g["betas"] for g in opt.param_groups} == {(0.9, 0.95)}  # what torch does
+    use_recipe_betas(opt, new)
+    assert {g["betas"] for g in opt.param_groups} == {(0.9, 0.999)}
 
 
 def test_a_device_without_the_fused_kernel_gets_torchs_default():
