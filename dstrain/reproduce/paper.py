@@ -11,6 +11,9 @@ to a cap of epochs. A (family, seed) run is the unit: it trains, evaluates its b
 - Protocol 2 (`paper2`): the same steps for every family, the cosine schedule annealed within them, no early stop (the
   subset only draws the learning curve); the last checkpoint evaluated at T = 1 and T = 0 on the same prompts, with
   per-prompt counts at every draft position.
+- Protocol 3 (`paper3`): protocol 2's data, steps and evaluation, each family trained with the reference
+  implementation's settings (reference_settings below): the settings that closed dstrain DSpark's gap to DeepSpec's own
+  trainer under protocol 2 (benchmarks/paper2-runs/changes).
 """
 
 from __future__ import annotations
@@ -56,7 +59,27 @@ QUICK = PaperSizes(seeds=(0, 1), epochs=2, plateau_per_domain=2, held_out_per_do
 # evaluations fits one 3-hour session on 2 cores (one run a session, as the records are made)
 PAPER2 = PaperSizes(preset="paper2", epochs=6, patience=0, temperatures=(1.0, 0.0), positions=True)
 QUICK2 = replace(QUICK, preset="paper2", patience=0, temperatures=(1.0, 0.0), positions=True)
-SIZES = {"paper": (PaperSizes(), QUICK), "paper2": (PAPER2, QUICK2)}
+PAPER3 = replace(PAPER2, preset="paper3")
+QUICK3 = replace(QUICK2, preset="paper3")
+SIZES = {"paper": (PaperSizes(), QUICK), "paper2": (PAPER2, QUICK2), "paper3": (PAPER3, QUICK3)}
+# DeepSpec afdfa7c's configs (config/{dspark,dflash,eagle3}/*_qwen3_4b.py): AdamW at 6e-4, 4 % linear warmup, cosine to
+# 0 for every family; its DSpark and DFlash backbones a dense SwiGLU MLP of the target's width with full attention over
+# the context, position decay exp(-k/4); its Eagle3 0.8 a step (exp(-k/4.48))
+REFERENCE_LR, REFERENCE_WARMUP = "6e-4", 0.04  # as written in the overrides (the resume key compares the text)
+BLOCK_FAMILIES = ("dspark-markov", "dflash")
+
+
+def reference_settings(sizes: PaperSizes, family: str, steps: int, target_width: int | None) -> list[str]:
+    """Protocol 3's training settings for `family` (none for the other presets), after the preset's own."""
+    if sizes.preset != "paper3":
+        return []
+    ov = [f"train.lr={REFERENCE_LR}", "train.min_lr=0.0", f"train.warmup_steps={int(REFERENCE_WARMUP * steps)}"]
+    if family in BLOCK_FAMILIES:
+        if target_width is None:
+            raise ValueError("protocol 3's block drafters need the target's intermediate size")
+        return ov + ["drafter.ffn.type=dense", f"drafter.ffn.intermediate_size={target_width}",
+                     "drafter.sliding_window=null", "loss.gamma_decay=4.0"]
+    return ov + [f"loss.gamma_decay={1 / math.log(1.25):.2f}"]
 PRESETS = tuple(SIZES)
 
 
@@ -92,6 +115,9 @@ def describe(sizes: PaperSizes) -> str:
         train = (f"up to {sizes.epochs} epochs, held-out τ of {sizes.plateau_per_domain} prompts per domain after each, "
                  f"stop after {sizes.patience} without a gain; the best")
     temps = " and ".join(f"T = {temperature_label(t)}" for t in sizes.temperatures)
+    if sizes.preset == "paper3":
+        train = ("the reference's settings (AdamW 6e-4, 4 % warmup, cosine to 0; DSpark and DFlash dense, full attention, "
+                 f"γ = 4), {train}")
     return (f"depth {DEPTH}, block {sizes.block_size}, {train} on {sizes.held_out_per_domain} held-out prompts per domain "
             f"× {sizes.eval_new_tokens} tokens and {sizes.bench_prompts} per benchmark × {sizes.bench_new_tokens} tokens "
             f"at {temps}")
@@ -115,8 +141,9 @@ def epoch_steps(recipe, samples: int) -> int:
 
 
 def overrides(cfg: S.Config, recipe, sizes: PaperSizes, family: str, seed: int, data: dict, target_layers: int,
-              depth: dict | None = None) -> list[str]:
-    """What a paper-preset run trains with; train_family keys its resume on exactly this list."""
+              depth: dict | None = None, target_width: int | None = None) -> list[str]:
+    """What a paper-preset run trains with; train_family keys its resume on exactly this list. target_width: the
+    target's MLP intermediate size (protocol 3's block drafters take it)."""
     from dstrain.targets.base import resolve_capture_layers
 
     per_epoch = min(epoch_steps(recipe, data["samples"]), sizes.epoch_cap or 1 << 62)
@@ -130,7 +157,7 @@ def overrides(cfg: S.Config, recipe, sizes: PaperSizes, family: str, seed: int, 
           f"drafter.block_size={sizes.block_size}", f"loss.gamma_decay={float(sizes.block_size)}",
           f"eval.every={per_epoch}", f"eval.corpus={cfg.corpus}", f"eval.per_domain={sizes.plateau_per_domain}",
           f"eval.max_new_tokens={sizes.eval_new_tokens}", f"eval.batch={sizes.plateau_per_domain}",
-          f"eval.patience={sizes.patience}", *cfg.sets]
+          f"eval.patience={sizes.patience}", *reference_settings(sizes, family, steps, target_width), *cfg.sets]
     if cfg.feature_cache is not None:  # one target pass for every run (seeds included: features depend on the sample)
         union = sorted(set(resolve_capture_layers(recipe.target.name, target_layers, recipe.target.capture_layers,
                                                   recipe.target.num_capture)))
@@ -164,10 +191,10 @@ def read_curve(run_dir: Path) -> dict:
 
 
 def train_run(cfg: S.Config, recipe, sizes: PaperSizes, data: dict, target_layers: int, clock: S.Clock, family: str,
-              seed: int) -> tuple[str, dict]:
+              seed: int, target_width: int | None = None) -> tuple[str, dict]:
     """One (family, seed) run, resumed or reused as train_family decides; returns its name and record (+ curve)."""
     name = run_name(family, seed)
-    ov = overrides(cfg, recipe, sizes, family, seed, data, target_layers)
+    ov = overrides(cfg, recipe, sizes, family, seed, data, target_layers, target_width=target_width)
     rec = S.train_family(cfg, cfg.recipe, name, ov, data, clock)
     run_dir = cfg.out / "runs" / name
     curve = read_curve(run_dir)

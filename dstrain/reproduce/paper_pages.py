@@ -43,7 +43,7 @@ def protocol_words(res: dict) -> str:
     temps = " and ".join(T_LABEL[t] for t in res["temperatures"])
     head = (f"Assembled from {len(res['runs'])} run record(s) of protocol `{res['protocol_key']}`. DSpark (Markov) and "
             f"DFlash with 5 layers, Eagle3 with 1 (the paper's 5 : 1), block size {sz['block_size']}; ")
-    if proto["preset"] == "paper2":
+    if proto["preset"] in ("paper2", "paper3"):
         train = (f"{sz['epochs']} epochs for every family, the cosine schedule reaching its floor at the last step, no early "
                  f"stop; after each epoch the held-out τ of a fixed subset ({sz['plateau_per_domain']} prompts per domain) "
                  "for the learning curve only. The last checkpoint is evaluated")
@@ -55,6 +55,10 @@ def protocol_words(res: dict) -> str:
             f"tokens; the held-out τ below leaves out the subset's prompts) and on {sz['bench_prompts']} prompts per "
             f"benchmark (drawn with seed {PROTOCOL_SEED}, stratified by category, {sz['bench_new_tokens']} new tokens), "
             f"at {temps}, every draft verified, the same prompts and draws for every run."
+            + (" Protocol 3: every family trained with the reference implementation's settings (DeepSpec afdfa7c): "
+               "AdamW at 6e-4, 4 % warmup, cosine to 0; DSpark and DFlash with a dense SwiGLU of the target's width, full "
+               "attention over the context, position decay exp(−(k−1)/4); Eagle3 decaying 0.8 a position."
+               if proto["preset"] == "paper3" else "")
             + (f" Every run trained with these changes to the recipe: {', '.join(f'`{x}`' for x in proto['set'])}."
                if proto.get("set") else ""))
 

@@ -24,7 +24,7 @@ from dstrain.reproduce import stages as S
 from dstrain.reproduce.paper import run_name
 from dstrain.reproduce.report import BENCH
 
-SCHEMA = {"paper": 1, "paper2": 2}  # 2: evaluations keyed by temperature, per-prompt position counts, the schedule
+SCHEMA = {"paper": 1, "paper2": 2, "paper3": 2}  # 2: evaluations keyed by temperature, per-prompt position counts, the schedule
 READABLE = (1, 2)
 PROTOCOL_SEED = 0  # benchmark prompts and decoding draws: the same for every run, so runs compare paired
 # a run of another implementation on a dstrain run's samples, order, features, steps and evaluator (its schema names the
