@@ -92,3 +92,20 @@ def test_load_reads_reference_records_beside_runs(tmp_path):
     (tmp_path / "notes.json").write_text(json.dumps({"schema": "something-else"}))
     got = sorted(r["run"] for r in load([tmp_path]))
     assert got == ["deepspec-dspark-markov-s0", "dspark-markov-s0"]
+
+
+def test_protocol_3_runs_pair_with_a_protocol_2_reference_and_nothing_else_does():
+    """Protocol 3 changes only how dstrain trains; the reference trainer's run (its own settings, the same data, steps
+    and evaluation) is the same run under both, so it pairs. A reference of other sizes does not."""
+    from dstrain.reproduce.stages import key_of
+
+    mine = _dstrain()
+    mine["protocol"] = {**mine["protocol"], "preset": "paper3", "sizes": {**mine["protocol"]["sizes"], "preset": "paper3"}}
+    mine["protocol_key"] = key_of(mine["protocol"])
+    ref = _reference(_dstrain(), keep=0.5)  # protocol 2's key and protocol
+    res = assemble([mine, ref], samples=100)
+    assert res["protocol"]["preset"] == "paper3" and res["references"]["versus"]["1"]["deepspec-dspark-markov"]["seeds"] == [0]
+    other = copy.deepcopy(ref)
+    other["protocol"]["sizes"]["bench_prompts"] = 10
+    with pytest.raises(UserError, match="measured under another protocol"):
+        assemble([mine, other], samples=100)
