@@ -12,8 +12,9 @@ to a cap of epochs. A (family, seed) run is the unit: it trains, evaluates its b
   subset only draws the learning curve); the last checkpoint evaluated at T = 1 and T = 0 on the same prompts, with
   per-prompt counts at every draft position.
 - Protocol 3 (`paper3`): protocol 2's data, steps and evaluation, each family trained with the reference
-  implementation's settings (reference_settings below): the settings that closed dstrain DSpark's gap to DeepSpec's own
-  trainer under protocol 2 (benchmarks/paper2-runs/changes).
+  implementation's settings (reference_settings below), every one dstrain can express: under protocol 2 dstrain's
+  DSpark trained below DeepSpec's own trainer, and part of that gap went with these settings
+  (benchmarks/paper2-runs/changes).
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ QUICK2 = replace(QUICK, preset="paper2", patience=0, temperatures=(1.0, 0.0), po
 PAPER3 = replace(PAPER2, preset="paper3")
 QUICK3 = replace(QUICK2, preset="paper3")
 SIZES = {"paper": (PaperSizes(), QUICK), "paper2": (PAPER2, QUICK2), "paper3": (PAPER3, QUICK3)}
-# DeepSpec afdfa7c's configs (config/{dspark,dflash,eagle3}/*_qwen3_4b.py): AdamW at 6e-4, 4 % linear warmup, cosine to
-# 0 for every family; its DSpark and DFlash backbones a dense SwiGLU MLP of the target's width with full attention over
-# the context, position decay exp(-k/4); its Eagle3 0.8 a step (exp(-k/4.48))
+# DeepSpec afdfa7c's configs (config/{dspark,dflash,eagle3}/*_qwen3_4b.py): AdamW at 6e-4 (torch's betas 0.9/0.999),
+# 4 % linear warmup, cosine to 0 for every family; its DSpark and DFlash backbones a dense SwiGLU MLP of the target's
+# width with full attention over the context, position decay exp(-k/4); its Eagle3 0.8 a step (exp(-k/4.48))
 REFERENCE_LR, REFERENCE_WARMUP = "6e-4", 0.04  # as written in the overrides (the resume key compares the text)
+REFERENCE_BETAS = "train.betas=[0.9,0.999]"
 BLOCK_FAMILIES = ("dspark-markov", "dflash")
 
 
@@ -78,8 +80,8 @@ def reference_settings(sizes: PaperSizes, family: str, steps: int, target_width:
         if target_width is None:
             raise ValueError("protocol 3's block drafters need the target's intermediate size")
         return ov + ["drafter.ffn.type=dense", f"drafter.ffn.intermediate_size={target_width}",
-                     "drafter.sliding_window=null", "loss.gamma_decay=4.0"]
-    return ov + [f"loss.gamma_decay={1 / math.log(1.25):.2f}"]
+                     "drafter.sliding_window=null", "loss.gamma_decay=4.0", REFERENCE_BETAS]
+    return ov + [f"loss.gamma_decay={1 / math.log(1.25):.2f}", REFERENCE_BETAS]
 PRESETS = tuple(SIZES)
 
 
@@ -116,8 +118,8 @@ def describe(sizes: PaperSizes) -> str:
                  f"stop after {sizes.patience} without a gain; the best")
     temps = " and ".join(f"T = {temperature_label(t)}" for t in sizes.temperatures)
     if sizes.preset == "paper3":
-        train = ("the reference's settings (AdamW 6e-4, 4 % warmup, cosine to 0; DSpark and DFlash dense, full attention, "
-                 f"γ = 4), {train}")
+        train = ("the reference's settings (AdamW 6e-4, β2 0.999, 4 % warmup, cosine to 0; DSpark and DFlash dense, full "
+                 f"attention, γ = 4), {train}")
     return (f"depth {DEPTH}, block {sizes.block_size}, {train} on {sizes.held_out_per_domain} held-out prompts per domain "
             f"× {sizes.eval_new_tokens} tokens and {sizes.bench_prompts} per benchmark × {sizes.bench_new_tokens} tokens "
             f"at {temps}")

@@ -56,7 +56,7 @@ def protocol_words(res: dict) -> str:
             f"benchmark (drawn with seed {PROTOCOL_SEED}, stratified by category, {sz['bench_new_tokens']} new tokens), "
             f"at {temps}, every draft verified, the same prompts and draws for every run."
             + (" Protocol 3: every family trained with the reference implementation's settings (DeepSpec afdfa7c): "
-               "AdamW at 6e-4, 4 % warmup, cosine to 0; DSpark and DFlash with a dense SwiGLU of the target's width, full "
+               "AdamW at 6e-4 with β2 0.999, 4 % warmup, cosine to 0; DSpark and DFlash with a dense SwiGLU of the target's width, full "
                "attention over the context, position decay exp(−(k−1)/4); Eagle3 decaying 0.8 a position."
                if proto["preset"] == "paper3" else "")
             + (f" Every run trained with these changes to the recipe: {', '.join(f'`{x}`' for x in proto['set'])}."

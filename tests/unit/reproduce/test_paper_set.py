@@ -81,21 +81,22 @@ def test_the_command_line_checks_a_set_before_it_runs(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
-SETTINGS_THAT_CLOSED_THE_GAP = ["train.lr=6e-4", "train.min_lr=0.0", "train.warmup_steps=160", "drafter.ffn.type=dense",
-                                "drafter.ffn.intermediate_size=1536", "drafter.sliding_window=null", "loss.gamma_decay=4.0"]
+DEEPSPEC_SETTINGS = ["train.lr=6e-4", "train.min_lr=0.0", "train.warmup_steps=160", "drafter.ffn.type=dense",
+                     "drafter.ffn.intermediate_size=1536", "drafter.sliding_window=null", "loss.gamma_decay=4.0",
+                     "train.betas=[0.9,0.999]"]
 
 
-def test_protocol_3_trains_dspark_as_the_change_that_matched_deepspec(tmp_path):
-    """paper3's DSpark run is protocol 2's with the --set change measured against DeepSpec's trainer, in the same
-    order (so that run's training and evaluations are reused by key); every family gets the schedule."""
+def test_protocol_3_trains_dspark_as_the_change_with_deepspecs_settings(tmp_path):
+    """paper3's DSpark run is protocol 2's with the --set change of every DeepSpec setting dstrain can express, in the
+    same order (so a run of that change is reused by key); every family gets the schedule and betas."""
     data = {"samples": 1339}
-    cfg2 = config(tmp_path, SETTINGS_THAT_CLOSED_THE_GAP)
+    cfg2 = config(tmp_path, DEEPSPEC_SETTINGS)
     recipe = load_recipe(cfg2.recipe)
     changed = PP.overrides(cfg2, recipe, PP.PAPER2, "dspark-markov", 0, data, 30, target_width=1536)
     cfg3 = config(tmp_path, None)
     assert PP.overrides(cfg3, recipe, PP.PAPER3, "dspark-markov", 0, data, 30, target_width=1536) == changed
     eagle = load_recipe(cfg3.recipe, PP.overrides(cfg3, recipe, PP.PAPER3, "eagle3", 0, data, 30, target_width=1536))
-    assert (eagle.train.lr, eagle.train.min_lr, eagle.train.warmup_steps) == (6e-4, 0.0, 160)
+    assert (eagle.train.lr, eagle.train.min_lr, eagle.train.warmup_steps, eagle.train.betas) == (6e-4, 0.0, 160, (0.9, 0.999))
     assert eagle.loss.gamma_decay == pytest.approx(4.48) and eagle.drafter.type == "eagle3"
     dflash = load_recipe(cfg3.recipe, PP.overrides(cfg3, recipe, PP.PAPER3, "dflash", 0, data, 30, target_width=1536))
     assert dflash.drafter.ffn.type == "dense" and dflash.drafter.sliding_window is None and dflash.loss.gamma_decay == 4.0
