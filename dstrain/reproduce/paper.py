@@ -63,6 +63,7 @@ QUICK2 = replace(QUICK, preset="paper2", patience=0, temperatures=(1.0, 0.0), po
 PAPER3 = replace(PAPER2, preset="paper3")
 QUICK3 = replace(QUICK2, preset="paper3")
 SIZES = {"paper": (PaperSizes(), QUICK), "paper2": (PAPER2, QUICK2), "paper3": (PAPER3, QUICK3)}
+PRESETS = tuple(SIZES)
 # DeepSpec afdfa7c's configs (config/{dspark,dflash,eagle3}/*_qwen3_4b.py): AdamW at 6e-4 (torch's betas 0.9/0.999),
 # 4 % linear warmup, cosine to 0 for every family; its DSpark and DFlash backbones a dense SwiGLU MLP of the target's
 # width with full attention over the context, position decay exp(-k/4); its Eagle3 0.8 a step (exp(-k/4.48))
@@ -82,7 +83,6 @@ def reference_settings(sizes: PaperSizes, family: str, steps: int, target_width:
         return ov + ["drafter.ffn.type=dense", f"drafter.ffn.intermediate_size={target_width}",
                      "drafter.sliding_window=null", "loss.gamma_decay=4.0", REFERENCE_BETAS]
     return ov + [f"loss.gamma_decay={1 / math.log(1.25):.2f}", REFERENCE_BETAS]
-PRESETS = tuple(SIZES)
 
 
 def temperature_label(t: float) -> str:
@@ -97,14 +97,14 @@ def check_sets(items) -> tuple[str, ...]:
     """--set KEY=VALUE items, in order; a key the preset owns is refused (its runs would not be the protocol's)."""
     out = []
     for item in items or ():
-        key, sep, _ = item.partition("=")
+        key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise UserError(f"--set {item}: give KEY=VALUE, a recipe key and its value, e.g. --set loss.gamma_decay=4.0")
         if key in PRESET_KEYS or key.startswith(PRESET_PREFIXES):
             raise UserError(f"--set {item}: {key} is set by the preset itself (run identity, data, evaluation, steps, "
                             "family and depth); change a recipe key it leaves alone (loss.*, train.lr, drafter.ffn.*, ...)")
-        out.append(f"{key}={item.partition('=')[2]}")
+        out.append(f"{key}={value}")
     return tuple(out)
 
 
