@@ -4,6 +4,7 @@ the drafts get accepted (the regime a claim needs), how each run ended, and held
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from dstrain.eval.bootstrap import macro_interval, ratio_interval
@@ -151,7 +152,7 @@ def training_tau(curve: dict) -> list[tuple[int, float]]:
         if "tau_hat" in row:
             out.append((int(row["step"]), float(row["tau_hat"])))
             continue
-        rates = [row[f"train/accept_rate@{k}"] for k in range(len(row)) if f"train/accept_rate@{k}" in row]
+        rates = list(itertools.takewhile(lambda x: x is not None, (row.get(f"train/accept_rate@{k}") for k in itertools.count())))
         if rates:
             tau, survive = 1.0, 1.0
             for a in rates:
