@@ -194,6 +194,11 @@ class DrafterConfig(Section):
     anchor_context: bool = Field(False, description="block drafters: the anchor slot's input also gets a projection of the "
                                                      "fused target feature at position a-1 (what Eagle3's first step reads), "
                                                      "besides the context keys/values (an ablation; not exportable)")
+    init_std: float | None = Field(None, gt=0.0, description="None: each layer's own initialisation (PyTorch's defaults; "
+                                   "the sequential head's W2 zero, so training starts from the parallel backbone). A "
+                                   "number: every trainable matrix (linear, embedding, expert and head weights) from "
+                                   "N(0, init_std), linear biases zero, norms one: Hugging Face's post_init, which "
+                                   "DeepSpec's drafters get with the target's initializer_range")
     mask_token_id: int | None = Field(None, ge=0, description="block slots after the anchor: None = a learned mask embedding; "
                                                              "a token id = the target's frozen embedding of that token (the "
                                                              "speculators/vLLM/SGLang convention; needed to export to them)")

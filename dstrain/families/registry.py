@@ -16,6 +16,7 @@ from dstrain.errors import UserError
 from dstrain.drafters.block import BlockDrafter
 from dstrain.drafters.chain import ChainDrafter
 from dstrain.drafters.contract import TargetSpec
+from dstrain.drafters.init import normal_init
 
 DRAFTERS: dict[str, Callable[..., nn.Module]] = {
     "dspark": BlockDrafter, "dflash": BlockDrafter,  # parallel block backbone
@@ -68,5 +69,9 @@ def build_drafter(cfg, spec: TargetSpec, embedding: nn.Embedding, target_config=
             said = "" if getattr(cfg, "backbone", "auto") == "v4" else " (drafter.backbone=auto picks v4 on a DeepSeek target)"
             raise UserError(problems[0] + said)
         module, _, name = capabilities.of_config(target_config).draft_builder.partition(":")
-        return getattr(importlib.import_module(module), name)(cfg, spec, embedding, target_config)
-    return builder(cfg, spec, embedding)
+        drafter = getattr(importlib.import_module(module), name)(cfg, spec, embedding, target_config)
+    else:
+        drafter = builder(cfg, spec, embedding)
+    if getattr(cfg, "init_std", None) is not None:
+        normal_init(drafter, cfg.init_std)
+    return drafter
