@@ -66,22 +66,29 @@ SIZES = {"paper": (PaperSizes(), QUICK), "paper2": (PAPER2, QUICK2), "paper3": (
 PRESETS = tuple(SIZES)
 # DeepSpec afdfa7c's configs (config/{dspark,dflash,eagle3}/*_qwen3_4b.py): AdamW at 6e-4 (torch's betas 0.9/0.999),
 # 4 % linear warmup, cosine to 0 for every family; its DSpark and DFlash backbones a dense SwiGLU MLP of the target's
-# width with full attention over the context, position decay exp(-k/4); its Eagle3 0.8 a step (exp(-k/4.48))
+# width with full attention over the context, position decay exp(-k/4), its DFlash (config/dflash) the DSpark model
+# without heads (the anchor predicts) trained on cross-entropy alone; its Eagle3 0.8 a step (exp(-k/4.48)); every
+# family's trainable weights from N(0, the target's initializer_range) (Hugging Face's post_init on the target's config)
 REFERENCE_LR, REFERENCE_WARMUP = "6e-4", 0.04  # as written in the overrides (the resume key compares the text)
 REFERENCE_BETAS = "train.betas=[0.9,0.999]"
 BLOCK_FAMILIES = ("dspark-markov", "dflash")
 
 
-def reference_settings(sizes: PaperSizes, family: str, steps: int, target_width: int | None) -> list[str]:
-    """Protocol 3's training settings for `family` (none for the other presets), after the preset's own."""
+def reference_settings(sizes: PaperSizes, family: str, steps: int, target_config) -> list[str]:
+    """Protocol 3's training settings for `family` (none for the other presets), after the preset's own;
+    target_config: the target's model config (its intermediate_size and initializer_range)."""
     if sizes.preset != "paper3":
         return []
-    ov = [f"train.lr={REFERENCE_LR}", "train.min_lr=0.0", f"train.warmup_steps={int(REFERENCE_WARMUP * steps)}"]
+    if target_config is None:
+        raise ValueError("protocol 3 needs the target's config (intermediate size, initializer range)")
+    std = getattr(target_config, "initializer_range", None) or 0.02  # transformers' default where a config has none
+    ov = [f"train.lr={REFERENCE_LR}", "train.min_lr=0.0", f"train.warmup_steps={int(REFERENCE_WARMUP * steps)}",
+          f"drafter.init_std={std!r}"]
     if family in BLOCK_FAMILIES:
-        if target_width is None:
-            raise ValueError("protocol 3's block drafters need the target's intermediate size")
-        return ov + ["drafter.ffn.type=dense", f"drafter.ffn.intermediate_size={target_width}",
-                     "drafter.sliding_window=null", "loss.gamma_decay=4.0", REFERENCE_BETAS]
+        ov += ["drafter.ffn.type=dense", f"drafter.ffn.intermediate_size={target_config.intermediate_size}",
+               "drafter.sliding_window=null", "loss.gamma_decay=4.0", REFERENCE_BETAS]
+        # DeepSpec's DFlash is its DSpark model without the heads: the anchor slot predicts too, cross-entropy only
+        return ov + (["drafter.sample_from_anchor=true", "loss.alpha_ce=1.0", "loss.alpha_tv=0.0"] if family == "dflash" else [])
     return ov + [f"loss.gamma_decay={1 / math.log(1.25):.2f}", REFERENCE_BETAS]
 
 
@@ -118,8 +125,8 @@ def describe(sizes: PaperSizes) -> str:
                  f"stop after {sizes.patience} without a gain; the best")
     temps = " and ".join(f"T = {temperature_label(t)}" for t in sizes.temperatures)
     if sizes.preset == "paper3":
-        train = ("the reference's settings (AdamW 6e-4, β2 0.999, 4 % warmup, cosine to 0; DSpark and DFlash dense, full "
-                 f"attention, γ = 4), {train}")
+        train = ("the reference's settings (AdamW 6e-4, β2 0.999, 4 % warmup, cosine to 0, weights from N(0, the target's "
+                 f"initializer_range); DSpark and DFlash dense, full attention, γ = 4; DFlash's anchor predicting, CE only), {train}")
     return (f"depth {DEPTH}, block {sizes.block_size}, {train} on {sizes.held_out_per_domain} held-out prompts per domain "
             f"× {sizes.eval_new_tokens} tokens and {sizes.bench_prompts} per benchmark × {sizes.bench_new_tokens} tokens "
             f"at {temps}")
@@ -143,9 +150,9 @@ def epoch_steps(recipe, samples: int) -> int:
 
 
 def overrides(cfg: S.Config, recipe, sizes: PaperSizes, family: str, seed: int, data: dict, target_layers: int,
-              depth: dict | None = None, target_width: int | None = None) -> list[str]:
-    """What a paper-preset run trains with; train_family keys its resume on exactly this list. target_width: the
-    target's MLP intermediate size (protocol 3's block drafters take it)."""
+              depth: dict | None = None, target_config=None) -> list[str]:
+    """What a paper-preset run trains with; train_family keys its resume on exactly this list. target_config: the
+    target's model config (protocol 3 takes its MLP width and initializer range)."""
     from dstrain.targets.base import resolve_capture_layers
 
     per_epoch = min(epoch_steps(recipe, data["samples"]), sizes.epoch_cap or 1 << 62)
@@ -159,7 +166,7 @@ def overrides(cfg: S.Config, recipe, sizes: PaperSizes, family: str, seed: int, 
           f"drafter.block_size={sizes.block_size}", f"loss.gamma_decay={float(sizes.block_size)}",
           f"eval.every={per_epoch}", f"eval.corpus={cfg.corpus}", f"eval.per_domain={sizes.plateau_per_domain}",
           f"eval.max_new_tokens={sizes.eval_new_tokens}", f"eval.batch={sizes.plateau_per_domain}",
-          f"eval.patience={sizes.patience}", *reference_settings(sizes, family, steps, target_width), *cfg.sets]
+          f"eval.patience={sizes.patience}", *reference_settings(sizes, family, steps, target_config), *cfg.sets]
     if cfg.feature_cache is not None:  # one target pass for every run (seeds included: features depend on the sample)
         union = sorted(set(resolve_capture_layers(recipe.target.name, target_layers, recipe.target.capture_layers,
                                                   recipe.target.num_capture)))
@@ -193,10 +200,10 @@ def read_curve(run_dir: Path) -> dict:
 
 
 def train_run(cfg: S.Config, recipe, sizes: PaperSizes, data: dict, target_layers: int, clock: S.Clock, family: str,
-              seed: int, target_width: int | None = None) -> tuple[str, dict]:
+              seed: int, target_config=None) -> tuple[str, dict]:
     """One (family, seed) run, resumed or reused as train_family decides; returns its name and record (+ curve)."""
     name = run_name(family, seed)
-    ov = overrides(cfg, recipe, sizes, family, seed, data, target_layers, target_width=target_width)
+    ov = overrides(cfg, recipe, sizes, family, seed, data, target_layers, target_config=target_config)
     rec = S.train_family(cfg, cfg.recipe, name, ov, data, clock)
     run_dir = cfg.out / "runs" / name
     curve = read_curve(run_dir)

@@ -57,7 +57,9 @@ def protocol_words(res: dict) -> str:
             f"at {temps}, every draft verified, the same prompts and draws for every run."
             + (" Protocol 3: every family trained with the reference implementation's settings (DeepSpec afdfa7c): "
                "AdamW at 6e-4 with β2 0.999, 4 % warmup, cosine to 0; DSpark and DFlash with a dense SwiGLU of the target's width, full "
-               "attention over the context, position decay exp(−(k−1)/4); Eagle3 decaying 0.8 a position."
+               "attention over the context, position decay exp(−(k−1)/4), DFlash as DeepSpec's DFlash config has it (the "
+               "anchor slot predicts too, cross-entropy only); Eagle3 decaying 0.8 a position; every family's "
+               "trainable matrices from N(0, the target's initializer_range)."
                if proto["preset"] == "paper3" else "")
             + (f" Every run trained with these changes to the recipe: {', '.join(f'`{x}`' for x in proto['set'])}."
                if proto.get("set") else ""))
@@ -157,8 +159,12 @@ def reference_section(res: dict, temp: str) -> list[str]:
         return []
     lines = ["### dstrain against a reference trainer", "",
              "The same samples, order, target features, steps and evaluator; the reference implementation's own model, "
-             "loss and optimiser settings (its record lists them). 95 % intervals: a question of its own, not corrected "
-             "with the family comparisons. With two seeds or more the seed interval decides.", "",
+             "loss and optimiser settings (its record lists them)"
+             + (". Protocol 3 trains dstrain's runs with those settings too, wherever dstrain can express them, so what "
+                "is left between the two is the implementations: model and loss code, and the random streams (initial "
+                "draws, sampled anchors)" if res["protocol"]["preset"] == "paper3" else "")
+             + ". 95 % intervals: a question of its own, not corrected with the family comparisons. With two seeds or "
+             "more the seed interval decides.", "",
              "| reference run | pairs with | commit | macro τ [95% CI] | held-out macro τ (unseen) | train |",
              "|---|---|---|---|---|---|"]
     for name, r in ref["runs"].items():

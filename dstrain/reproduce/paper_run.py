@@ -107,17 +107,17 @@ def run_paper(args) -> int:
     if args.stop_after == "data":
         return 0
     tcfg = AutoConfig.from_pretrained(target_folder(recipe.target))
-    layers, width = tcfg.num_hidden_layers, tcfg.intermediate_size
+    layers = tcfg.num_hidden_layers
     proto = paper_record.protocol(sizes, cfg.recipe, cfg.corpus, recipe.target.name, PP.DEPTH, cfg.sets)
     ev = None
     for fam, seed in runs:
         t0 = time.perf_counter()
-        name, rec = PP.train_run(cfg, recipe, sizes, data, layers, clock, fam, seed, width)
+        name, rec = PP.train_run(cfg, recipe, sizes, data, layers, clock, fam, seed, tcfg)
         if args.stop_after == "train":
             continue
         ev = ev or S.Evaluator(cfg.out / "runs" / name, cfg.device)  # the target, loaded once for every run
         evals = paper_record.evaluate_best(cfg, ev, sizes, name, recipe.target.name, rec["key"], clock)
-        ov = PP.overrides(cfg, recipe, sizes, fam, seed, data, layers, target_width=width)
+        ov = PP.overrides(cfg, recipe, sizes, fam, seed, data, layers, target_config=tcfg)
         record = paper_record.write(cfg, sizes, proto, rec, evals, data, ov, recipe)
         path = cfg.out / "records" / f"{name}.json"
         if record_to is not None:

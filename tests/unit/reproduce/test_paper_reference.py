@@ -105,6 +105,8 @@ def test_protocol_3_runs_pair_with_a_protocol_2_reference_and_nothing_else_does(
     ref = _reference(_dstrain(), keep=0.5)  # protocol 2's key and protocol
     res = assemble([mine, ref], samples=100)
     assert res["protocol"]["preset"] == "paper3" and res["references"]["versus"]["1"]["deepspec-dspark-markov"]["seeds"] == [0]
+    leftover = "what is left between the two is the implementations"  # the settings are matched, so the page says so
+    assert leftover in markdown(res) and leftover not in markdown(assemble([_dstrain(), ref], samples=100))
     other = copy.deepcopy(ref)
     other["protocol"]["sizes"]["bench_prompts"] = 10
     with pytest.raises(UserError, match="measured under another protocol"):

@@ -81,26 +81,34 @@ def test_the_command_line_checks_a_set_before_it_runs(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
-DEEPSPEC_SETTINGS = ["train.lr=6e-4", "train.min_lr=0.0", "train.warmup_steps=160", "drafter.ffn.type=dense",
-                     "drafter.ffn.intermediate_size=1536", "drafter.sliding_window=null", "loss.gamma_decay=4.0",
-                     "train.betas=[0.9,0.999]"]
+DEEPSPEC_SETTINGS = ["train.lr=6e-4", "train.min_lr=0.0", "train.warmup_steps=160", "drafter.init_std=0.041666666666666664",
+                     "drafter.ffn.type=dense", "drafter.ffn.intermediate_size=1536", "drafter.sliding_window=null",
+                     "loss.gamma_decay=4.0", "train.betas=[0.9,0.999]"]
+SMOLLM2 = Namespace(intermediate_size=1536, initializer_range=0.041666666666666664)  # dense SmolLM2-135M (upcycled: 0.02)
 
 
 def test_protocol_3_trains_dspark_as_the_change_with_deepspecs_settings(tmp_path):
     """paper3's DSpark run is protocol 2's with the --set change of every DeepSpec setting dstrain can express, in the
-    same order (so a run of that change is reused by key); every family gets the schedule and betas."""
+    same order (so a run of that change is reused by key); every family gets the schedule, betas and initialisation."""
     data = {"samples": 1339}
     cfg2 = config(tmp_path, DEEPSPEC_SETTINGS)
     recipe = load_recipe(cfg2.recipe)
-    changed = PP.overrides(cfg2, recipe, PP.PAPER2, "dspark-markov", 0, data, 30, target_width=1536)
+    changed = PP.overrides(cfg2, recipe, PP.PAPER2, "dspark-markov", 0, data, 30, target_config=SMOLLM2)
     cfg3 = config(tmp_path, None)
-    assert PP.overrides(cfg3, recipe, PP.PAPER3, "dspark-markov", 0, data, 30, target_width=1536) == changed
-    eagle = load_recipe(cfg3.recipe, PP.overrides(cfg3, recipe, PP.PAPER3, "eagle3", 0, data, 30, target_width=1536))
+    assert PP.overrides(cfg3, recipe, PP.PAPER3, "dspark-markov", 0, data, 30, target_config=SMOLLM2) == changed
+    eagle = load_recipe(cfg3.recipe, PP.overrides(cfg3, recipe, PP.PAPER3, "eagle3", 0, data, 30, target_config=SMOLLM2))
     assert (eagle.train.lr, eagle.train.min_lr, eagle.train.warmup_steps, eagle.train.betas) == (6e-4, 0.0, 160, (0.9, 0.999))
     assert eagle.loss.gamma_decay == pytest.approx(4.48) and eagle.drafter.type == "eagle3"
-    dflash = load_recipe(cfg3.recipe, PP.overrides(cfg3, recipe, PP.PAPER3, "dflash", 0, data, 30, target_width=1536))
+    assert eagle.drafter.init_std == SMOLLM2.initializer_range
+    dflash = load_recipe(cfg3.recipe, PP.overrides(cfg3, recipe, PP.PAPER3, "dflash", 0, data, 30, target_config=SMOLLM2))
     assert dflash.drafter.ffn.type == "dense" and dflash.drafter.sliding_window is None and dflash.loss.gamma_decay == 4.0
+    assert dflash.drafter.init_std == SMOLLM2.initializer_range
+    # DeepSpec's DFlash config: its DSpark model without heads (the anchor predicts), cross-entropy alone
+    assert dflash.drafter.sample_from_anchor and (dflash.loss.alpha_ce, dflash.loss.alpha_tv, dflash.loss.alpha_conf) == (1.0, 0.0, 0.0)
+    assert dflash.drafter.type == "dflash" and dflash.drafter.head == "none" and not dflash.drafter.confidence
     assert PP.overrides(cfg3, recipe, PP.PAPER2, "dflash", 0, data, 30) == PP.overrides(
-        cfg3, recipe, PP.PAPER2, "dflash", 0, data, 30, target_width=1536)  # protocol 2 unchanged by the width
-    with pytest.raises(ValueError, match="intermediate size"):
+        cfg3, recipe, PP.PAPER2, "dflash", 0, data, 30, target_config=SMOLLM2)  # protocol 2 unchanged by the target
+    no_range = PP.overrides(cfg3, recipe, PP.PAPER3, "dflash", 0, data, 30, target_config=Namespace(intermediate_size=1536))
+    assert "drafter.init_std=0.02" in no_range  # transformers' default initializer_range
+    with pytest.raises(ValueError, match="target's config"):
         PP.overrides(cfg3, recipe, PP.PAPER3, "dflash", 0, data, 30)

@@ -278,6 +278,24 @@ def test_paper2_preset_end_to_end_and_resume(tiny_world):
     assert bad.returncode != 0 and "another protocol" in bad.stderr and "sizes.eval_new_tokens: 6 vs 99" in bad.stderr
 
 
+def test_paper3_trains_dflash_as_deepspecs_config_does(tiny_world):
+    """--preset paper3 end to end for one run: the reference implementation's settings reach the trained run's recipe
+    (DFlash: the anchor predicts, cross-entropy alone, dense MLP of the target's width, full attention; every family:
+    DeepSpec's schedule and betas, weights from N(0, the target's initializer_range)) and its record is protocol 3's."""
+    out, records = tiny_world / "paper3", tiny_world / "records3"
+    records.mkdir()
+    run_tool("-m", "dstrain", "table", "--preset", "paper3", "--quick", "--recipe", tiny_world / "recipe.yaml", "--corpus",
+             tiny_world / "corpus", "--out", out, "--record-to", records, "--run", "dflash:0", timeout=900)
+    recipe = yaml.safe_load((out / "runs" / "dflash-s0" / "recipe.yaml").read_text())
+    d, loss, train = recipe["drafter"], recipe["loss"], recipe["train"]
+    assert d["type"] == "dflash" and d["sample_from_anchor"] and (loss["alpha_ce"], loss["alpha_tv"]) == (1.0, 0.0)
+    assert d["ffn"]["type"] == "dense" and d["ffn"]["intermediate_size"] == 64 and d["sliding_window"] is None
+    assert d["init_std"] == 0.02 and loss["gamma_decay"] == 4.0  # the tiny Llama's initializer_range
+    assert (train["lr"], train["min_lr"], list(train["betas"])) == (6e-4, 0.0, [0.9, 0.999])
+    rec = json.loads((records / "dflash-s0.json").read_text())
+    assert rec["protocol"]["preset"] == "paper3" and set(rec["evals"]) == {"1", "0"}
+
+
 def test_protocol_1_keeps_its_key_so_its_records_stay_one_table():
     """Protocol 2's fields are not part of protocol 1: a protocol 1 run made today would join the committed records."""
     from dstrain.config.files import resolve_recipe_path
