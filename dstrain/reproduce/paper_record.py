@@ -142,12 +142,12 @@ def evaluate_best(cfg: S.Config, ev: S.Evaluator, sizes, name: str, target: str,
     return out
 
 
-def write(cfg: S.Config, sizes, proto: dict, rec: dict, evals: dict, data: dict, overrides: list[str], recipe) -> dict:
+def write(cfg: S.Config, sizes, proto: dict, rec: dict, evals: dict, data: dict, overrides: list[str]) -> dict:
     """OUT/records/NAME.json, written whole (temporary file, then rename)."""
+    from dstrain.config.schema import load_recipe
     from dstrain.reproduce.paper import fixed_schedule
 
     strip = lambda ev: {k: v for k, v in ev.items() if k != "key"}  # noqa: E731
-    ov = dict(o.split("=", 1) for o in overrides)
     # "legs": the runs this training took (a resumed run's seconds cover every leg); a record without it timed its last
     training = {"steps": rec["steps"], "epoch_steps": rec["epoch_steps"], "seconds": rec["seconds"], "legs": rec.get("legs"),
                 "best": (rec.get("eval") or {}).get("best"), "stopped_early": (rec.get("eval") or {}).get("stopped_early"),
@@ -165,9 +165,10 @@ def write(cfg: S.Config, sizes, proto: dict, rec: dict, evals: dict, data: dict,
         (only,) = evals.values()
         record.update(held_out=strip(only["held_out"]), benchmarks=strip(only["benchmarks"]))
     else:
-        training.update(fixed_schedule=fixed_schedule(sizes), evaluated_step=int(ov["train.steps"]),
-                        lr={"peak": recipe.train.lr, "min": recipe.train.min_lr, "warmup": int(ov["train.warmup_steps"]),
-                            "steps": int(ov["train.steps"])})
+        # the schedule the run trained with: its base recipe under every override (a preset's own settings included)
+        train = load_recipe(cfg.recipe, overrides).train
+        training.update(fixed_schedule=fixed_schedule(sizes), evaluated_step=train.steps,
+                        lr={"peak": train.lr, "min": train.min_lr, "warmup": train.warmup_steps, "steps": train.steps})
         record["evals"] = {t: {stage: strip(part) for stage, part in parts.items()} for t, parts in evals.items()}
     path = cfg.out / "records" / f"{record['run']}.json"
     S.store(path, record["protocol_key"], record)

@@ -118,7 +118,7 @@ def run_paper(args) -> int:
         ev = ev or S.Evaluator(cfg.out / "runs" / name, cfg.device)  # the target, loaded once for every run
         evals = paper_record.evaluate_best(cfg, ev, sizes, name, recipe.target.name, rec["key"], clock)
         ov = PP.overrides(cfg, recipe, sizes, fam, seed, data, layers, target_config=tcfg)
-        record = paper_record.write(cfg, sizes, proto, rec, evals, data, ov, recipe)
+        record = paper_record.write(cfg, sizes, proto, rec, evals, data, ov)
         path = cfg.out / "records" / f"{name}.json"
         if record_to is not None:
             shutil.copyfile(path, record_to / path.name)

@@ -294,6 +294,8 @@ def test_paper3_trains_dflash_as_deepspecs_config_does(tiny_world):
     assert (train["lr"], train["min_lr"], list(train["betas"])) == (6e-4, 0.0, [0.9, 0.999])
     rec = json.loads((records / "dflash-s0.json").read_text())
     assert rec["protocol"]["preset"] == "paper3" and set(rec["evals"]) == {"1", "0"}
+    # the record's schedule is the one trained (the page's "evaluated at lr" reads it), not the base recipe's
+    assert rec["training"]["lr"] == {"peak": 6e-4, "min": 0.0, "warmup": train["warmup_steps"], "steps": train["steps"]}
 
 
 def test_protocol_1_keeps_its_key_so_its_records_stay_one_table():
