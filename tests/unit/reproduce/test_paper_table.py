@@ -39,11 +39,16 @@ def test_a_wide_interval_never_reads_as_support():
     assert "smaller gains" in verdict(_gain(0.117, 0.179), CLAIM, seeds=1)
 
 
-@pytest.mark.parametrize("protocol", ["paper", "paper2"])
+# protocol 3 pairs with the reference runs committed beside protocol 2's (the two differ only in how dstrain trains)
+SHARED_RECORDS = {"paper3": [ROOT / "benchmarks" / "paper2-runs" / "deepspec"]}
+
+
+@pytest.mark.parametrize("protocol", ["paper", "paper2", "paper3"])
 def test_the_committed_table_is_the_committed_records_assembled(protocol):
     runs, table = ROOT / "benchmarks" / f"{protocol}-runs", ROOT / "benchmarks" / f"{protocol}-table" / "results.json"
     # reference records and recipe changes' in subfolders (changes/NAME/)
-    records = load([runs, *sorted(d for d in runs.rglob("*") if d.is_dir() and any(d.glob("*.json")))])
+    records = load([runs, *sorted(d for d in runs.rglob("*") if d.is_dir() and any(d.glob("*.json"))),
+                    *SHARED_RECORDS.get(protocol, [])])
     assert records, "no committed paper runs"
     fresh, committed = assemble(records), json.loads(table.read_text())
     assert sorted(fresh["runs"]) == sorted(committed["runs"]) and fresh["missing"] == committed["missing"]
