@@ -76,8 +76,7 @@ def endings(res: dict) -> list[str]:
     for stop, rs in by_stop.items():
         rising = [n for n, r in rs if r["ending"]["rising_at_end"]]
         lrs = lr_of(rs)
-        span = f"{min(lrs):.1e}" + (f"–{max(lrs):.1e}" if max(lrs) > min(lrs) else "") if lrs else ""
-        lr = f", evaluated at lr {span}" if lrs else ""
+        lr = f", evaluated at lr {min(lrs):.1e}" + (f"–{max(lrs):.1e}" if max(lrs) > min(lrs) else "") if lrs else ""
         if stop == "plateau":
             eps = ", ".join(f"{n} after {r['ending']['epochs_run']:.0f} (best {r['ending']['epoch_evaluated']:.0f})" for n, r in rs)
             lines.append(f"- Stopped by the plateau rule on the subset before the cap: {eps}{lr}; the cosine schedule, set "
