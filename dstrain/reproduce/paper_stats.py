@@ -99,8 +99,13 @@ def shallow_words(profiles: list[dict]) -> str:
     c1 = [p["c1"] for p in profiles]
     share = [p["pos1_share"] for p in profiles]
     return (f"position {DEEP_POSITION} is verified in at most {100 * deep:.1f} % of rounds, position 1 is accepted in "
-            f"{100 * min(c1):.0f}–{100 * max(c1):.0f} % and gives {100 * min(share):.0f}–{100 * max(share):.0f} % of "
-            "τ − 1")
+            f"{percent_span(c1)} % and gives {percent_span(share)} % of τ − 1")
+
+
+def percent_span(values: list[float]) -> str:
+    # "61 %" rather than "61–61 %" when the ends round equal
+    lo, hi = f"{100 * min(values):.0f}", f"{100 * max(values):.0f}"
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def ending(training: dict, curve: dict, planned_steps: int, epochs: int, schedule) -> dict:

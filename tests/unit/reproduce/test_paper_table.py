@@ -137,3 +137,10 @@ def test_the_stop_label_says_what_happened_and_held_out_leaves_out_the_subset():
     part = runs["dspark-markov-s0"]["by_t"]["1"]
     sz = res["protocol"]["sizes"]
     assert set(part["held_out_unseen_prompts"].values()) == {sz["held_out_per_domain"] - sz["plateau_per_domain"]}
+
+
+def test_a_percent_range_whose_ends_round_equal_is_one_number():
+    from dstrain.reproduce.paper_stats import percent_span
+
+    assert percent_span([0.612, 0.608]) == "61"
+    assert percent_span([0.32, 0.336]) == "32–34"
