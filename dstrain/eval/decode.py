@@ -11,6 +11,7 @@ and draws the closing token (correction or bonus). τ = accepted + 1 per round.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,7 +64,9 @@ class SpecDecoder:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] = frozenset()) -> Generation:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] = frozenset(),
+                 on_finished: Callable[[int], None] | None = None) -> Generation:
+        """on_finished(n) hears of requests as they finish (a progress bar's ETA), at the round's existing sync."""
         start = time.perf_counter()
         session = TargetSession(self.target, prompts, capacity=max_new_tokens + self.gamma + 2)
         head, gamma = self.target.lm_head, self.gamma
@@ -73,7 +76,7 @@ class SpecDecoder:
         session.append(first[:, None], torch.ones(len(session), dtype=torch.long, device=dev))
         result = Generation(outputs=[[] for _ in prompts])
         logs: list[dict[str, torch.Tensor]] = []
-        self._retire(session, result, max_new_tokens, eos)
+        self._retire(session, result, max_new_tokens, eos, on_finished)
         pick = make_picker(self.temperature, self.generator)
         while len(session):
             rows = len(session)
@@ -99,14 +102,15 @@ class SpecDecoder:
             if conf is not None:
                 log["conf_logits"] = conf
             logs.append(log)
-            self._retire(session, result, max_new_tokens, eos)
+            self._retire(session, result, max_new_tokens, eos, on_finished)
         if logs:
             result.rounds = {k: torch.cat([log[k] for log in logs]).cpu() for k in logs[0]}  # metrics read them on the CPU
         result.seconds = time.perf_counter() - start
         return result
 
     @staticmethod
-    def _retire(session: TargetSession, result: Generation, max_new: int, eos: torch.Tensor) -> None:
+    def _retire(session: TargetSession, result: Generation, max_new: int, eos: torch.Tensor,
+                on_finished: Callable[[int], None] | None) -> None:
         """Move finished requests (an end-of-turn token, or max_new tokens) out of the batch."""
         col = session.arange(session.tokens.shape[1])[None, :]
         generated = (col >= session.prompt_len[:, None]) & (col < session.lengths[:, None])
@@ -120,4 +124,6 @@ class SpecDecoder:
         for rid, toks, lo, hi in zip(session.ids[rows].tolist(), session.tokens[rows].tolist(),
                                      session.prompt_len[rows].tolist(), end[rows].tolist()):
             result.outputs[rid] = toks[lo:hi]
+        if on_finished is not None:
+            on_finished(len(rows))
         session.keep_rows(torch.nonzero(~done).flatten())

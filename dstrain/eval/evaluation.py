@@ -27,13 +27,15 @@ def run_domain(target, cand: Candidate, prompts: list[list[int]], batch: int, ma
                temperature: float, policy: LengthPolicy, seed: int) -> tuple[dict, dict]:
     decoder = SpecDecoder(cand.target or target, cand.drafter, cand.gamma, cand.window, temperature, policy, seed)
     rounds, seconds, new, outputs = [], 0.0, 0, []
-    for lo in tqdm(range(0, len(prompts), batch), desc=cand.name, unit="batch", leave=False):
-        gen = decoder.generate(prompts[lo: lo + batch], max_new, eos)
+    bar = tqdm(total=len(prompts), desc=cand.name, unit="prompt", leave=False)  # counts finished requests: an ETA mid-batch
+    for lo in range(0, len(prompts), batch):
+        gen = decoder.generate(prompts[lo: lo + batch], max_new, eos, on_finished=bar.update)
         seconds, new = seconds + gen.seconds, new + gen.new_tokens
         outputs += gen.outputs
         if gen.rounds:
             gen.rounds["request"] += lo  # unique per domain, so a request's rounds can be replayed in order
             rounds.append(gen.rounds)
+    bar.close()
     logs = {k: torch.cat([r[k] for r in rounds]) for k in rounds[0]} if rounds else {}
     if logs:
         logs["outputs"] = outputs  # each prompt's generated token ids, in prompt order (the engine check compares them)

@@ -83,8 +83,10 @@ def test_greedy_speculative_equals_greedy_and_transformers_generate():
     recipe, target, drafter = build([], sharpen=1.0)
     prompts = [[5, 9, 13, 2, 7], [3, 3], [10, 2, 3, 4, 11, 12, 13, 14]]  # different lengths: left padding + holes
     plain = SpecDecoder(target, None, temperature=0).generate(prompts, 12)
-    spec = SpecDecoder(target, drafter, gamma=4, window=32, temperature=0).generate(prompts, 12)
+    finished = []
+    spec = SpecDecoder(target, drafter, gamma=4, window=32, temperature=0).generate(prompts, 12, on_finished=finished.append)
     assert spec.outputs == plain.outputs
+    assert sum(finished) == len(prompts) and all(n > 0 for n in finished)  # the progress bar hears of every request once
     rounds = spec.rounds
     assert (rounds["accepted"] > 0).any() and (rounds["accepted"] < rounds["proposed"]).any()  # both paths ran
     for prompt, got in zip(prompts, plain.outputs):
