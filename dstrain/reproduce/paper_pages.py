@@ -6,6 +6,7 @@ from pathlib import Path
 
 from dstrain.reproduce.paper import PAPER_FAMILIES
 from dstrain.reproduce.paper_record import PROTOCOL_SEED
+from dstrain.reproduce.provenance import code_label
 from dstrain.reproduce.paper_stats import DEEP_POSITION, T_LABEL
 from dstrain.reproduce.report import BENCH
 
@@ -32,6 +33,14 @@ def train_time(training: dict) -> str:
     if legs is None:
         return f"{training['seconds'] / 60:.0f} min, last leg †"
     return f"{training['seconds'] / 60:.0f} min" + (f" ({legs} legs)" if legs > 1 else "")
+
+
+def code_cell(run: dict) -> str:
+    """The evaluating checkout's commit; a run whose legs trained at other commits names them in order."""
+    short = lambda label: label[:8] + ("+dirty" if label.endswith("+dirty") else "")  # noqa: E731
+    here = short(code_label(run["code"]))
+    trained = [short(c) for c in run["training"].get("trained_at") or []]
+    return here if trained in ([], [here]) else f"{here} (trained at {' → '.join(trained)})"
 
 
 UNTIMED_LEGS = ("† timed from the last start only: a record without its legs count (written before they were counted) "
@@ -104,7 +113,7 @@ def temperature_section(res: dict, temp: str) -> list[str]:
         rows.append(f"| {r['label']} s{r['seed']} | {e['epochs_run']:.0f} of {e['of_epochs']} ({e['stop']}) | "
                     f"{e['epoch_evaluated']:.0f}{lr} | " + " | ".join(_ci(p["tau"][d]) for d in BENCH) +
                     f" | {_ci(p['macro'])} | {_ci(p['held_out_unseen_macro'])} | {train_time(tr)} | "
-                    f"{r['code']['commit'][:8]}{'+dirty' if r['code']['dirty'] else ''} |")
+                    f"{code_cell(r)} |")
     fam_rows = ["| family | seeds | " + " | ".join(f"{BENCH[d]} τ" for d in BENCH) + " | macro τ | seed spread | "
                 f"pos. 1 accepted | share of τ − 1 from pos. 1 | rounds verifying pos. {DEEP_POSITION} |",
                 "|" + "---|" * (len(BENCH) + 7)]
@@ -227,7 +236,7 @@ def changes_section(res: dict, temp: str) -> list[str]:
                 p = r["by_t"][temp]
                 lines.append(f"| `{label}` | {r['label']} s{r['seed']} | {_ci(p['macro'])} | "
                              f"{_ci(p['held_out_unseen_macro'])} | {train_time(r['training'])} | "
-                             f"{r['code']['commit'][:8]}{'+dirty' if r['code']['dirty'] else ''} |")
+                             f"{code_cell(r)} |")
         for fam, v in ch["versus"].get(temp, {}).items():
             if not v["seeds"]:
                 diffs.append(f"| `{label}`: {v['label']} | – | the protocol's run is missing ({', '.join(v['missing'])}) "

@@ -11,9 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import torch
 from dstrain.errors import UserError
 from dstrain.reproduce import stages as S
 from dstrain.reproduce.paper import run_name
+from dstrain.reproduce.provenance import code_version, machine
 from dstrain.reproduce.report import BENCH
 
 SCHEMA = {"paper": 1, "paper2": 2, "paper3": 2}  # 2: evaluations keyed by temperature, per-prompt position counts, the schedule
@@ -55,21 +53,6 @@ def protocol(sizes, recipe_path: str, corpus_folder: Path, target: str, depth: d
     return {"preset": sizes.preset, "sizes": sz, "depth": dict(depth), "target": target, "protocol_seed": PROTOCOL_SEED,
             "recipe_sha256": recipe_key(Path(recipe_path).read_text()), "corpus_sha256": man["sha256"],
             "held_out_rule": man["held_out"]["rule"], **({"set": list(sets)} if sets else {})}
-
-
-def code_version() -> dict:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=S.REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    commit = git("rev-parse", "HEAD")
-    return {"commit": commit or "unknown", "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
-
-
-def machine() -> dict:
-    return {"host_cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
 
 
 def decode_totals(ev: S.Evaluator, cand, records: list[dict], batch: int, max_new: int, temperature: float = 1.0,
@@ -149,7 +132,9 @@ def write(cfg: S.Config, sizes, proto: dict, rec: dict, evals: dict, data: dict,
 
     strip = lambda ev: {k: v for k, v in ev.items() if k != "key"}  # noqa: E731
     # "legs": the runs this training took (a resumed run's seconds cover every leg); a record without it timed its last
+    # "trained_at": each commit a leg trained at, in order (the record's "code" is the evaluating checkout's)
     training = {"steps": rec["steps"], "epoch_steps": rec["epoch_steps"], "seconds": rec["seconds"], "legs": rec.get("legs"),
+                "trained_at": rec.get("trained_at"),
                 "best": (rec.get("eval") or {}).get("best"), "stopped_early": (rec.get("eval") or {}).get("stopped_early"),
                 "feature_cache": rec.get("feature_cache")}
     record = {

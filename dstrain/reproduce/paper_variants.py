@@ -42,7 +42,7 @@ def assemble(variants: list[dict], base: dict, runs: dict, references: dict | No
                             "protocol's (e.g. --records benchmarks/paper2-runs benchmarks/paper2-runs/changes/...)")
         ch = out.setdefault(change_label(rec["protocol"]), {"set": rec["protocol"]["set"], "runs": {}, "versus": {}})
         ch["runs"][rec["run"]] = {"family": rec["family"], "label": rec["label"], "seed": rec["seed"], "code": rec["code"],
-                                  "training": {k: rec["training"].get(k) for k in ("steps", "seconds", "legs")},
+                                  "training": {k: rec["training"].get(k) for k in ("steps", "seconds", "legs", "trained_at")},
                                   "by_t": PS.by_temperature(evals_of(rec), sizes, samples),
                                   "training_tau": PS.epoch_taus(rec, epochs)}
     refs = (references or {}).get("runs", {})

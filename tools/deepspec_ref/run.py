@@ -51,7 +51,7 @@ def run(args, checkout: dict) -> int:
 
     from dstrain.config.schema import load_recipe
     from dstrain.export.artifacts import save_run_recipe
-    from dstrain.reproduce import paper as PP, paper_record, stages as S
+    from dstrain.reproduce import paper as PP, paper_record, provenance, stages as S
     from dstrain.runtime.folder_lock import hold
     from dstrain.targets import target_folder
     from dstrain.targets.base import resolve_capture_layers
@@ -150,7 +150,7 @@ def run(args, checkout: dict) -> int:
         "deepspec": {"path": checkout["path"], "git_head": checkout["head"], "content_sha256": checkout["digest"],
                      "config": DEEPSPEC_CONFIG, "config_used": used, "adapter_parity": parity},
         "settings kept from DeepSpec": kept, "settings matched": match, "execution": EXECUTION,
-        "code": paper_record.code_version(), "machine": paper_record.machine(),
+        "code": provenance.code_version(), "machine": provenance.machine(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "data": {k: data[k] for k in ("train_conversations", "samples", "held_out_prompts", "key") if k in data},
         "overrides": [o for o in ov if not o.startswith(("data.shards=", "run.output_dir=", "eval.corpus=",

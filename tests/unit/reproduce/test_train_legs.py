@@ -1,5 +1,6 @@
 """A resumed paper run's training time covers every leg: the stage keeps its wall time in the pending marker while a
-leg runs, so a leg killed without a word (a session's end) still counts, and the record says how many legs there were."""
+leg runs, so a leg killed without a word (a session's end) still counts, and the record says how many legs there were
+and the commit each trained at."""
 
 import json
 
@@ -40,6 +41,7 @@ def _world(tmp_path, monkeypatch, polls: int, tick: float):
     monkeypatch.setattr(S.time, "perf_counter", clock)
     monkeypatch.setattr(S.time, "sleep", lambda s: None)
     monkeypatch.setattr(S.subprocess, "Popen", lambda *a, **k: FakeTrainer(run_dir, polls))
+    monkeypatch.setattr(S, "code_version", lambda: {"commit": "b" * 40, "dirty": False})
     return cfg, run_dir, ["train.steps=8", "train.checkpoint_every=4"], {"key": "data"}
 
 
@@ -48,9 +50,10 @@ def test_a_resumed_run_counts_every_leg_and_says_how_many(tmp_path, monkeypatch)
     key = S.key_of({"recipe": (tmp_path / "recipe.yaml").read_text(), "overrides": ov, "data": "data"})
     # what a killed first leg leaves: its checkpoints and the pending marker with the 600 s it had run
     (run_dir / "checkpoints" / "step-4").mkdir(parents=True)
-    S.store(run_dir / "reproduce.pending.json", key, {"seconds_before": 600.0, "legs": 1})
+    S.store(run_dir / "reproduce.pending.json", key, {"seconds_before": 600.0, "legs": 1, "trained_at": ["a" * 40]})
     out = S.train_family(cfg, cfg.recipe, "dflash", ov, data, S.Clock([]))
     assert out["legs"] == 2
+    assert out["trained_at"] == ["a" * 40, "b" * 40]  # the first leg's commit kept, this checkout's added
     this_leg = out["seconds"] - 600.0
     assert 40 <= this_leg <= 50  # 40 polls of the fake clock, a reading or two around them
     assert (run_dir / "checkpoints" / "step-4").is_dir()  # resumed, not started clean
@@ -68,7 +71,7 @@ def test_a_leg_killed_mid_run_leaves_its_time_in_the_marker(tmp_path, monkeypatc
 
     monkeypatch.setattr(S, "store", spy)
     S.train_family(cfg, cfg.recipe, "dflash", ov, data, S.Clock([]))
-    assert seen[0] == {"seconds_before": 0.0, "legs": 1}  # a clean start
+    assert seen[0] == {"seconds_before": 0.0, "legs": 1, "trained_at": ["b" * 40]}  # a clean start
     running = [p["seconds_before"] for p in seen[1:]]
     assert len(running) >= 2 and running == sorted(running) and running[-1] >= 60  # written every 30 s while it ran
 
@@ -78,5 +81,24 @@ def test_a_new_config_starts_clean_and_forgets_old_legs(tmp_path, monkeypatch):
     (run_dir / "checkpoints" / "step-4").mkdir(parents=True)
     S.store(run_dir / "reproduce.pending.json", "another-config", {"seconds_before": 600.0, "legs": 3})
     out = S.train_family(cfg, cfg.recipe, "dflash", ov, data, S.Clock([]))
-    assert out["legs"] == 1 and out["seconds"] < 20
+    assert out["legs"] == 1 and out["seconds"] < 20 and out["trained_at"] == ["b" * 40]
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_legs_at_one_commit_name_it_once(tmp_path, monkeypatch):
+    cfg, run_dir, ov, data = _world(tmp_path, monkeypatch, polls=3, tick=1.0)
+    key = S.key_of({"recipe": (tmp_path / "recipe.yaml").read_text(), "overrides": ov, "data": "data"})
+    (run_dir / "checkpoints" / "step-4").mkdir(parents=True)
+    S.store(run_dir / "reproduce.pending.json", key, {"seconds_before": 60.0, "legs": 2, "trained_at": ["b" * 40]})
+    out = S.train_family(cfg, cfg.recipe, "dflash", ov, data, S.Clock([]))
+    assert out["legs"] == 3 and out["trained_at"] == ["b" * 40]
+
+
+def test_the_pages_code_cell_names_other_training_commits():
+    from dstrain.reproduce.paper_pages import code_cell
+
+    here = {"commit": "0a2fdfe6" + "0" * 32, "dirty": False}
+    assert code_cell({"code": here, "training": {}}) == "0a2fdfe6"  # a record from before legs named commits
+    assert code_cell({"code": here, "training": {"trained_at": ["0a2fdfe6" + "0" * 32]}}) == "0a2fdfe6"
+    two = {"trained_at": ["af955d56" + "0" * 32 + "+dirty", "0a2fdfe6" + "0" * 32]}
+    assert code_cell({"code": here, "training": two}) == "0a2fdfe6 (trained at af955d56+dirty → 0a2fdfe6)"

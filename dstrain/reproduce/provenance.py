@@ -1,0 +1,31 @@
+"""What produced a record: the checkout's commit (and whether it had uncommitted changes) and the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def code_version() -> dict:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "HEAD")
+    return {"commit": commit or "unknown", "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def code_label(code: dict) -> str:
+    return code["commit"] + ("+dirty" if code["dirty"] else "")
+
+
+def machine() -> dict:
+    return {"host_cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
