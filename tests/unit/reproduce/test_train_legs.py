@@ -45,12 +45,16 @@ def _world(tmp_path, monkeypatch, polls: int, tick: float):
     return cfg, run_dir, ["train.steps=8", "train.checkpoint_every=4"], {"key": "data"}
 
 
+def _killed_leg(tmp_path, run_dir, ov, pending: dict) -> None:
+    """What a killed leg leaves: its checkpoints and the pending marker."""
+    key = S.key_of({"recipe": (tmp_path / "recipe.yaml").read_text(), "overrides": ov, "data": "data"})
+    (run_dir / "checkpoints" / "step-4").mkdir(parents=True)
+    S.store(run_dir / "reproduce.pending.json", key, pending)
+
+
 def test_a_resumed_run_counts_every_leg_and_says_how_many(tmp_path, monkeypatch):
     cfg, run_dir, ov, data = _world(tmp_path, monkeypatch, polls=40, tick=1.0)
-    key = S.key_of({"recipe": (tmp_path / "recipe.yaml").read_text(), "overrides": ov, "data": "data"})
-    # what a killed first leg leaves: its checkpoints and the pending marker with the 600 s it had run
-    (run_dir / "checkpoints" / "step-4").mkdir(parents=True)
-    S.store(run_dir / "reproduce.pending.json", key, {"seconds_before": 600.0, "legs": 1, "trained_at": ["a" * 40]})
+    _killed_leg(tmp_path, run_dir, ov, {"seconds_before": 600.0, "legs": 1, "trained_at": ["a" * 40]})  # it ran 600 s
     out = S.train_family(cfg, cfg.recipe, "dflash", ov, data, S.Clock([]))
     assert out["legs"] == 2
     assert out["trained_at"] == ["a" * 40, "b" * 40]  # the first leg's commit kept, this checkout's added
@@ -87,9 +91,7 @@ def test_a_new_config_starts_clean_and_forgets_old_legs(tmp_path, monkeypatch):
 
 def test_legs_at_one_commit_name_it_once(tmp_path, monkeypatch):
     cfg, run_dir, ov, data = _world(tmp_path, monkeypatch, polls=3, tick=1.0)
-    key = S.key_of({"recipe": (tmp_path / "recipe.yaml").read_text(), "overrides": ov, "data": "data"})
-    (run_dir / "checkpoints" / "step-4").mkdir(parents=True)
-    S.store(run_dir / "reproduce.pending.json", key, {"seconds_before": 60.0, "legs": 2, "trained_at": ["b" * 40]})
+    _killed_leg(tmp_path, run_dir, ov, {"seconds_before": 60.0, "legs": 2, "trained_at": ["b" * 40]})
     out = S.train_family(cfg, cfg.recipe, "dflash", ov, data, S.Clock([]))
     assert out["legs"] == 3 and out["trained_at"] == ["b" * 40]
 
