@@ -26,10 +26,9 @@ import torch
 from dstrain.errors import UserError
 from dstrain.progress import fmt_s, progress  # fmt_s: also S.fmt_s, the stages' times and ETAs
 from dstrain.reproduce.families import FAMILIES, family_overrides, match_budget
-from dstrain.reproduce.provenance import code_label, code_version
+from dstrain.reproduce.provenance import REPO, code_label, code_version  # REPO: also S.REPO, this checkout
 from dstrain.runtime import preemption
 
-REPO = Path(__file__).resolve().parents[2]
 DOMAINS = ("math", "code", "chat")  # GSM8K, HumanEval, MT-Bench turn 1
 
 
