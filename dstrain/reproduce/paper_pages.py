@@ -43,6 +43,12 @@ def code_cell(run: dict) -> str:
     return here if trained in ([], [here]) else f"{here} (trained at {' → '.join(trained)})"
 
 
+def reference_train_time(training: dict) -> str:
+    """The reference tool keeps its time in its checkpoints, so it spans every leg; older records do not count legs."""
+    legs = training.get("legs")
+    return f"{training['seconds'] / 60:.0f} min" + (f" ({legs} legs)" if legs and legs > 1 else "")
+
+
 UNTIMED_LEGS = ("† timed from the last start only: a record without its legs count (written before they were counted) "
                 "may have resumed from a checkpoint, so its run trained longer than shown.")
 
@@ -174,13 +180,14 @@ def reference_section(res: dict, temp: str) -> list[str]:
                 "draws, sampled anchors)" if res["protocol"]["preset"] == "paper3" else "")
              + ". 95 % intervals: a question of its own, not corrected with the family comparisons. With two seeds or "
              "more the seed interval decides.", "",
-             "| reference run | pairs with | commit | macro τ [95% CI] | held-out macro τ (unseen) | train |",
-             "|---|---|---|---|---|---|"]
+             "| reference run | pairs with | its commit | macro τ [95% CI] | held-out macro τ (unseen) | train | dstrain code |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in ref["runs"].items():
         if temp in r["by_t"]:
             p = r["by_t"][temp]
             lines.append(f"| {r['label']} s{r['seed']} | {r['pairs_with']} | {(r['commit'] or '?')[:12]} | "
-                         f"{_ci(p['macro'])} | {_ci(p['held_out_unseen_macro'])} | {r['training']['seconds'] / 60:.0f} min |")
+                         f"{_ci(p['macro'])} | {_ci(p['held_out_unseen_macro'])} | {reference_train_time(r['training'])} | "
+                         f"{code_cell(r)} |")
     lines += ["", "| dstrain − reference | seeds | Δτ over prompts | relative over prompts | Δτ over seeds | "
               "relative over seeds | resolved (by) |", "|---|---|---|---|---|---|---|"]
     positions = []
@@ -227,7 +234,7 @@ def changes_section(res: dict, temp: str) -> list[str]:
     lines = ["### Recipe changes (dstrain table --set)", "",
              "Each change trained on the same samples, order, features, steps and evaluator as the protocol's run of its "
              "family and seed; 95 % intervals, a question of their own. With two seeds or more the seed interval decides.",
-             "", "| change | run | macro τ [95% CI] | held-out macro τ (unseen) | train | code |", "|---|---|---|---|---|---|"]
+             "", "| change | run | macro τ [95% CI] | held-out macro τ (unseen) | train | dstrain code |", "|---|---|---|---|---|---|"]
     diffs, epochs = ["", "| comparison | seeds | Δτ over prompts | relative over prompts | Δτ over seeds | relative over "
                      "seeds | resolved (by) |", "|---|---|---|---|---|---|---|"], []
     for label, ch in changes.items():

@@ -60,7 +60,7 @@ def assemble(refs: list[dict], runs: dict, temps: list[str], sizes: dict, sample
     for rec in sorted(refs, key=lambda r: (r["family"], r["seed"])):
         out[rec["run"]] = {"family": rec["family"], "label": rec["label"], "seed": rec["seed"],
                            "pairs_with": rec["pairs_with"], "commit": commit_of(rec), "code": rec["code"],
-                           "training": {k: rec["training"].get(k) for k in ("steps", "seconds")},
+                           "training": {k: rec["training"].get(k) for k in ("steps", "seconds", "legs", "trained_at")},
                            "by_t": PS.by_temperature(rec["evals"], sizes, samples),
                            "training_tau": PS.epoch_taus(rec, sizes["epochs"])}
     versus = {}

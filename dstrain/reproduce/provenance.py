@@ -26,6 +26,12 @@ def code_label(code: dict) -> str:
     return code["commit"] + ("+dirty" if code["dirty"] else "")
 
 
+def with_this_checkout(trained_at: list[str]) -> list[str]:
+    """The commits a resumed run's legs trained at, in order, this checkout's last: a record names every one."""
+    here = code_label(code_version())
+    return trained_at if trained_at[-1:] == [here] else [*trained_at, here]
+
+
 def machine() -> dict:
     return {"host_cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
             "threads": torch.get_num_threads()}

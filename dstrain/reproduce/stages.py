@@ -26,7 +26,7 @@ import torch
 from dstrain.errors import UserError
 from dstrain.progress import fmt_s, progress  # fmt_s: also S.fmt_s, the stages' times and ETAs
 from dstrain.reproduce.families import FAMILIES, family_overrides, match_budget
-from dstrain.reproduce.provenance import REPO, code_label, code_version  # REPO: also S.REPO, this checkout
+from dstrain.reproduce.provenance import REPO, with_this_checkout  # REPO: also S.REPO, this checkout
 from dstrain.runtime import preemption
 
 DOMAINS = ("math", "code", "chat")  # GSM8K, HumanEval, MT-Bench turn 1
@@ -222,7 +222,7 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
     # wall time over every leg of an interrupted run, kept in the pending marker while a leg runs (a killed leg loses
     # at most its last 30 s): a resumed run's time is then all of it, not its last leg's
     legs = {"seconds_before": float((before or {}).get("seconds_before", 0.0)), "legs": int((before or {}).get("legs", 0)) + 1,
-            "trained_at": _with_this_checkout((before or {}).get("trained_at", []))}
+            "trained_at": with_this_checkout((before or {}).get("trained_at", []))}
     store(pending, key, legs)
     cmd = [sys.executable, "-m", "dstrain", "train", recipe_path, *overrides]  # cwd=REPO: this checkout's dstrain
     t0 = time.perf_counter()
@@ -262,12 +262,6 @@ def train_family(cfg: Config, recipe_path: str, family: str, overrides: list[str
     pending.unlink(missing_ok=True)
     clock.finish(f"train {family}", seconds)
     return out
-
-
-def _with_this_checkout(trained_at: list[str]) -> list[str]:
-    # the commits a resumed run's legs trained at, in order: a record names every one, not only the evaluating one
-    here = code_label(code_version())
-    return trained_at if trained_at[-1:] == [here] else [*trained_at, here]
 
 
 def _logged_step(run_dir: Path) -> int:

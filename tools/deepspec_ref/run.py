@@ -128,7 +128,8 @@ def run(args, checkout: dict) -> int:
             del source, loader
             gc.collect()  # a target loaded for feature misses goes before the evaluation loads its own
         done = S.store(marker, key, {"steps": result["steps"], "seconds": result["seconds"], "curve": result["curve"],
-                                     "feature_cache": result["cache"], "data_order_sha256": result["order"]})
+                                     "feature_cache": result["cache"], "data_order_sha256": result["order"],
+                                     "legs": result["legs"], "trained_at": result["trained_at"]})
         pending.unlink(missing_ok=True)
         clock.finish(f"train {name}", result["seconds"])
     if args.stop_after == "train":
@@ -156,6 +157,7 @@ def run(args, checkout: dict) -> int:
         "overrides": [o for o in ov if not o.startswith(("data.shards=", "run.output_dir=", "eval.corpus=",
                                                          "train.feature_cache_dir="))],
         "training": {"steps": done["steps"], "protocol_steps": protocol_steps, "seconds": done["seconds"],
+                     "legs": done.get("legs"), "trained_at": done.get("trained_at"),
                      "evaluated_step": done["steps"], "fixed_schedule": True, "feature_cache": done.get("feature_cache"),
                      "data_order_sha256": done.get("data_order_sha256"),
                      "data_order_rule": "h = sha256(h + dstrain.train.feature_store.sample_key(sample.input_ids)).hexdigest()"

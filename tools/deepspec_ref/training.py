@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import UserError
+from dstrain.reproduce.provenance import with_this_checkout
 
 from .drafter import build_model, draft_dtype, load_trainable, trainable_state
 
@@ -24,10 +25,10 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, loader, curve: list, key: str, commit: str,
-                    final: bool, seconds: float = 0.0, order: str = "") -> Path:
+                    final: bool, seconds: float = 0.0, order: str = "", legs: dict | None = None) -> Path:
     """checkpoints/step-N/: the trainable weights (the frozen embedding and LM head are the target's), DeepSpec's
     optimiser state (not in the final one: nothing resumes from it), the loader's position, the RNG the anchor sampler
-    draws from; manifest.json last, the folder renamed into place whole. Older intermediate ones are removed."""
+    draws from, the legs so far and the commits they trained at; manifest.json last, the folder renamed into place whole. Older intermediate ones are removed."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
@@ -40,7 +41,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, loader, curve: l
         files.append("optimizer.pt")
     torch.save({"step": step, "loader": loader.state_dict(), "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, "curve": curve,
-                "seconds": seconds, "order": order},
+                "seconds": seconds, "order": order, **(legs or {})},
                tmp / "state.pt")
     (tmp / "draft_config.json").write_text(model.config.to_json_string())
     (tmp / "manifest.json").write_text(json.dumps({"step": step, "key": key, "deepspec_commit": commit, "files": files,
@@ -52,6 +53,16 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, loader, curve: l
         if old != dest and not json.loads((old / "manifest.json").read_text()).get("final"):
             shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def legs_after(state: dict | None) -> dict:
+    """This process's leg: the count and the commits trained at, from the checkpoint state it resumes (None: a fresh
+    start). A checkpoint written before legs were counted cannot say how many ran, nor where: the record claims neither."""
+    if state is None:
+        return {"legs": 1, "trained_at": with_this_checkout([])}
+    if not state.get("legs"):
+        return {"legs": None, "trained_at": None}
+    return {"legs": state["legs"] + 1, "trained_at": with_this_checkout(state["trained_at"])}
 
 
 def training_key(checkout: dict, used: dict, ov: list[str], data: dict, attention: str) -> str:
@@ -110,6 +121,7 @@ def train(args, checkout, ds, ds_cfg, recipe, frozen, loader, source, run_dir: P
     from dstrain.train.feature_store import sample_key
 
     step, curve, before = 0, [], 0.0  # before: training seconds of earlier processes (a resumed run)
+    legs = legs_after(None)
     order = ""  # chained sha256 of the samples' content keys in training order (data_order_sha256)
     found = checkpoint_dirs(run_dir)
     if found and args.resume:
@@ -124,6 +136,7 @@ def train(args, checkout, ds, ds_cfg, recipe, frozen, loader, source, run_dir: P
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         step, curve, before = int(state["step"]), list(state["curve"]), float(state.get("seconds", 0.0))
         order = state.get("order", "")
+        legs = legs_after(state)
         print(f"  {run_dir.name}: resumed from step {step} ({last})", flush=True)
     model.train()
     stream = iter(loader)
@@ -163,8 +176,8 @@ def train(args, checkout, ds, ds_cfg, recipe, frozen, loader, source, run_dir: P
                                     "estimated)")
             if step % args.checkpoint_every == 0 and step < steps:
                 save_checkpoint(run_dir, step, model, optimizer, loader, curve, key, checkout["commit"], final=False,
-                                seconds=before + time.perf_counter() - t0, order=order)
+                                seconds=before + time.perf_counter() - t0, order=order, legs=legs)
     seconds = before + time.perf_counter() - t0
     save_checkpoint(run_dir, steps, model, optimizer, loader, curve, key, checkout["commit"], final=True, seconds=seconds,
-                    order=order)
-    return {"steps": steps, "seconds": seconds, "curve": curve, "cache": source.cache_metrics(), "order": order}
+                    order=order, legs=legs)
+    return {"steps": steps, "seconds": seconds, "curve": curve, "cache": source.cache_metrics(), "order": order, **legs}

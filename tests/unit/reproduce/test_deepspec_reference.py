@@ -27,6 +27,8 @@ from deepspec_ref.checkout import DEEPSPEC_CONFIG, KNOWN_COMMITS, check_checkout
 from deepspec_ref.drafter import DeepSpecDrafter  # noqa: E402
 from deepspec_ref.parity import parity_check  # noqa: E402
 from deepspec_ref.run import SCHEMA  # noqa: E402
+from deepspec_ref.training import legs_after  # noqa: E402
+from dstrain.reproduce import provenance  # noqa: E402
 
 VOCAB, D, M, RANK, GAMMA = 16, 16, 2, 4, 3
 
@@ -167,6 +169,16 @@ def test_refuses_a_folder_that_is_no_deepspec_checkout(tmp_path):
         check_checkout(str(tmp_path))
 
 
+def test_a_resumed_reference_run_counts_its_legs_and_their_commits(monkeypatch):
+    monkeypatch.setattr(provenance, "code_version", lambda: {"commit": "b" * 40, "dirty": False})
+    assert legs_after(None) == {"legs": 1, "trained_at": ["b" * 40]}
+    assert legs_after({"legs": 2, "trained_at": ["a" * 40, "b" * 40]}) == {"legs": 3, "trained_at": ["a" * 40, "b" * 40]}
+    assert legs_after({"legs": 1, "trained_at": ["a" * 40]}) == {"legs": 2, "trained_at": ["a" * 40, "b" * 40]}
+    # a checkpoint from before legs were counted: how many ran before, and where, is unknown, and stays so
+    assert legs_after({"step": 300, "seconds": 900.0}) == {"legs": None, "trained_at": None}
+    assert legs_after({"step": 400, "legs": None, "trained_at": None}) == {"legs": None, "trained_at": None}
+
+
 # ---- with a DeepSpec checkout only (DSTRAIN_DEEPSPEC): defined, hence collected, only then -------------------------
 DEEPSPEC = os.environ.get("DSTRAIN_DEEPSPEC")
 
@@ -196,6 +208,8 @@ if DEEPSPEC:
         assert rec["settings matched"]["train.max_train_steps"]["used"] == 2
         assert rec["settings kept from DeepSpec"]["model.loss_decay_gamma"] == 4.0
         assert rec["training"]["steps"] == 2 and len(rec["curve"]["training"]) == 2
+        assert rec["training"]["legs"] == 1 and rec["training"]["trained_at"] == [rec["code"]["commit"] +
+                                                                                  ("+dirty" if rec["code"]["dirty"] else "")]
         assert set(rec["evals"]) == {"1", "0"}
         for parts in rec["evals"].values():
             for stage in ("held_out", "benchmarks"):

@@ -4,6 +4,7 @@ and the commit each trained at."""
 
 import json
 
+from dstrain.reproduce import provenance
 from dstrain.reproduce import stages as S
 
 
@@ -41,7 +42,7 @@ def _world(tmp_path, monkeypatch, polls: int, tick: float):
     monkeypatch.setattr(S.time, "perf_counter", clock)
     monkeypatch.setattr(S.time, "sleep", lambda s: None)
     monkeypatch.setattr(S.subprocess, "Popen", lambda *a, **k: FakeTrainer(run_dir, polls))
-    monkeypatch.setattr(S, "code_version", lambda: {"commit": "b" * 40, "dirty": False})
+    monkeypatch.setattr(provenance, "code_version", lambda: {"commit": "b" * 40, "dirty": False})
     return cfg, run_dir, ["train.steps=8", "train.checkpoint_every=4"], {"key": "data"}
 
 
