@@ -3,6 +3,7 @@ every `interval` seconds, since a bar's carriage returns make one unreadable lin
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -54,10 +55,20 @@ class PlainProgress:
         self.close()
 
 
-def progress(total: float, desc: str, unit: str, enabled: bool = True, interval: float = 30.0, initial: float = 0):
-    """A bar on a terminal, plain lines elsewhere, or nothing (`enabled` False); `initial`: work done before a resume."""
+def progress(total: float, desc: str, unit: str, enabled: bool = True, interval: float = 30.0, initial: float = 0,
+             leave: bool = True):
+    """A bar on a terminal, plain lines elsewhere, or nothing (`enabled` False); `initial`: work done before a resume;
+    `leave` False: a terminal's bar goes when done (a stage's line says it); a log keeps its last line."""
     if not enabled:
         return tqdm(total=total, disable=True)
     if sys.stderr.isatty():
-        return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, initial=initial)
+        return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, initial=initial, leave=leave)
     return PlainProgress(total, desc, unit, interval, initial=initial)
+
+
+def quiet_library_bars_in_logs() -> None:
+    """In a log, transformers' and huggingface_hub's own bars ("Loading weights") go too: set before they import."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if "transformers" in sys.modules:  # imported already: its switch was read then
+            sys.modules["transformers"].utils.logging.disable_progress_bar()

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from dstrain.eval.decode import LengthPolicy, SpecDecoder
 from dstrain.eval.metrics import acceptance_stats
+from dstrain.progress import progress
 
 
 @dataclass
@@ -27,7 +27,8 @@ def run_domain(target, cand: Candidate, prompts: list[list[int]], batch: int, ma
                temperature: float, policy: LengthPolicy, seed: int) -> tuple[dict, dict]:
     decoder = SpecDecoder(cand.target or target, cand.drafter, cand.gamma, cand.window, temperature, policy, seed)
     rounds, seconds, new, outputs = [], 0.0, 0, []
-    bar = tqdm(total=len(prompts), desc=cand.name, unit="prompt", leave=False)  # counts finished requests: an ETA mid-batch
+    # counts finished requests (an ETA mid-batch); in a log, plain lines, not a bar's carriage returns
+    bar = progress(len(prompts), cand.name, "prompt", leave=False)
     for lo in range(0, len(prompts), batch):
         gen = decoder.generate(prompts[lo: lo + batch], max_new, eos, on_finished=bar.update)
         seconds, new = seconds + gen.seconds, new + gen.new_tokens

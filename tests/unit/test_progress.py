@@ -2,6 +2,10 @@
 killed process did before it (a run resumed at step 2,406 of 6,700 once printed 11.7 step/s and an ETA of 6 minutes
 while it trained at 0.5 step/s)."""
 
+import os
+import subprocess
+import sys
+
 from dstrain import progress as P
 
 
@@ -32,3 +36,13 @@ def test_terminal_bar_takes_the_resume_point(monkeypatch):
         assert bar.n == 2400 and bar.initial == 2400
     finally:
         bar.close()
+
+
+# the last case shows the check can fail: without the call, a piped stderr still gets transformers' bars
+def test_library_bars_are_quiet_in_a_log_whether_or_not_transformers_came_first():
+    check = "from transformers.utils import logging; print(logging.is_progress_bar_enabled())"
+    quiet = "from dstrain.progress import quiet_library_bars_in_logs; quiet_library_bars_in_logs()"
+    for code in (f"{quiet}; {check}", f"import transformers; {quiet}; {check}", check):
+        env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert out.stdout.strip() == ("True" if code == check else "False"), (code, out.stderr[-500:])

@@ -94,6 +94,17 @@ def test_greedy_speculative_equals_greedy_and_transformers_generate():
         assert got == ref[0, len(prompt):].tolist()
 
 
+def test_evaluation_progress_in_a_log_is_plain_lines(capsys):
+    from dstrain.eval.evaluation import Candidate, run_domain
+
+    recipe, target, drafter = build([], sharpen=1.0)
+    prompts = [[5, 9, 13, 2, 7], [3, 3], [10, 2, 3, 4, 11, 12, 13, 14]]
+    run_domain(target, Candidate("dspark", drafter, 4, 32), prompts, batch=2, max_new=6, eos=set(), temperature=0,
+               policy=LengthPolicy(), seed=0)
+    err = capsys.readouterr().err  # stderr is no terminal here, as in a Slurm or nohup log
+    assert "\r" not in err and "dspark: 3/3 prompt (100 %)" in err  # no bar's carriage returns; the count closes it
+
+
 CASES = [(name, "full") for name in FAMILIES] + [("dspark-markov", "threshold"), ("dspark-rnn", "scheduler")]
 
 
