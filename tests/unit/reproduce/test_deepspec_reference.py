@@ -208,8 +208,7 @@ if DEEPSPEC:
         assert rec["settings matched"]["train.max_train_steps"]["used"] == 2
         assert rec["settings kept from DeepSpec"]["model.loss_decay_gamma"] == 4.0
         assert rec["training"]["steps"] == 2 and len(rec["curve"]["training"]) == 2
-        assert rec["training"]["legs"] == 1 and rec["training"]["trained_at"] == [rec["code"]["commit"] +
-                                                                                  ("+dirty" if rec["code"]["dirty"] else "")]
+        assert rec["training"]["legs"] == 1 and rec["training"]["trained_at"] == [provenance.code_label(rec["code"])]
         assert set(rec["evals"]) == {"1", "0"}
         for parts in rec["evals"].values():
             for stage in ("held_out", "benchmarks"):
