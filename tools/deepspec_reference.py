@@ -45,6 +45,7 @@ from deepspec_ref.checkout import KNOWN_COMMITS, check_checkout  # noqa: E402
 from deepspec_ref.plan import dry_run  # noqa: E402
 from deepspec_ref.run import run  # noqa: E402
 from dstrain.errors import UserError  # noqa: E402
+from dstrain.progress import quiet_library_bars_in_logs  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -98,6 +99,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    quiet_library_bars_in_logs()  # its runs write hours of log under nohup
     args = parse_args(argv)
     checkout = check_checkout(args.deepspec)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
