@@ -22,10 +22,13 @@ class UserError(Exception):
 
 
 def cli_main(fn: F) -> F:
-    """Wrap a tool's main(): a UserError becomes one line on stderr and exit code 2."""
+    """Wrap a tool's main(): a UserError becomes one line on stderr and exit code 2; in a log, no library bars."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from dstrain.progress import quiet_library_bars_in_logs
+
+        quiet_library_bars_in_logs()
         try:
             code = fn(*args, **kwargs)
         except UserError as err:

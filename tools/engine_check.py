@@ -390,6 +390,9 @@ STAGES = ["1 engine: venv " + ".venv-engine" + " from tools/engine_check/require
 
 def main() -> int:
     args = parser().parse_args()
+    from dstrain.progress import quiet_library_bars_in_logs
+
+    quiet_library_bars_in_logs()  # the engine's processes inherit it: their logs stay lines
     out = Path(args.out)
     if not out.is_absolute():
         out = ROOT / out

@@ -92,6 +92,9 @@ def run_reference(checkpoint: str | Path, inputs: str | Path, result: str | Path
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from dstrain.progress import quiet_library_bars_in_logs
+
+    quiet_library_bars_in_logs()  # the reference venv's processes inherit it
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     install(Path(args.venv), args.python, out / "logs")

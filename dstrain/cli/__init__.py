@@ -83,13 +83,12 @@ def _dispatch(table: Table, words: list[str], argv: list[str]) -> int:
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     """The console script (`dstrain`), `python -m dstrain` and `torchrun -m dstrain`."""
-    quiet_library_bars_in_logs()
     return _dispatch(COMMANDS, ["dstrain"], list(sys.argv[1:] if argv is None else argv))
 
 
 def tool_main(name: str) -> None:
     """dstrain/main.py: the command module `name` with the script's own name in its usage."""
-    quiet_library_bars_in_logs()
+    quiet_library_bars_in_logs()  # before the command module imports transformers
     module = importlib.import_module(f"dstrain.cli.{name}")
 
     def run() -> int:

@@ -42,7 +42,9 @@ def test_terminal_bar_takes_the_resume_point(monkeypatch):
 def test_library_bars_are_quiet_in_a_log_whether_or_not_transformers_came_first():
     check = "from transformers.utils import logging; print(logging.is_progress_bar_enabled())"
     quiet = "from dstrain.progress import quiet_library_bars_in_logs; quiet_library_bars_in_logs()"
-    for code in (f"{quiet}; {check}", f"import transformers; {quiet}; {check}", check):
+    wrapped = "from dstrain.errors import cli_main; cli_main(lambda: print(logging.is_progress_bar_enabled()))()"
+    tool = f"from transformers.utils import logging; {wrapped}"  # every tool's main() goes through cli_main
+    for code in (f"{quiet}; {check}", f"import transformers; {quiet}; {check}", tool, check):
         env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
         assert out.stdout.strip() == ("True" if code == check else "False"), (code, out.stderr[-500:])
