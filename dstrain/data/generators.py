@@ -74,10 +74,12 @@ class _LocalTarget:
 
 class TokenCounter:
     """transformers' streamer hook: each decoding step hands over one token per row; rows that already stopped are
-    not counted, so progress counts the tokens the answers will hold."""
+    not counted, so progress counts the tokens the answers will hold. `on_stop(row, tokens)` hears of each row the
+    step it stops, so its answer can be kept before the rest of its batch is done."""
 
-    def __init__(self, stops: set[int], report):
-        self.stops, self.report, self.prompt_seen, self.done = stops, report, False, None
+    def __init__(self, stops: set[int], report, on_stop=None):
+        self.stops, self.report, self.on_stop, self.prompt_seen, self.done = stops, report, on_stop, False, None
+        self.rows: list[list[int]] = []
 
     def put(self, value) -> None:
         import torch
@@ -88,9 +90,18 @@ class TokenCounter:
         value = value.reshape(-1)
         if self.done is None:
             self.done = torch.zeros(len(value), dtype=torch.bool)
+            self.rows = [[] for _ in range(len(value))]
         live = int((~self.done).sum())
-        self.done |= torch.isin(value, torch.tensor(sorted(self.stops), dtype=value.dtype))
-        self.report(live)
+        stopping = torch.isin(value, torch.tensor(sorted(self.stops), dtype=value.dtype)) & ~self.done
+        for i, token in enumerate(value.tolist()):  # host-side bookkeeping of a CPU generate loop, not a training step
+            if not self.done[i]:
+                self.rows[i].append(token)
+        self.done |= stopping
+        if self.on_stop is not None:
+            for i in stopping.nonzero().flatten().tolist():
+                self.on_stop(i, self.rows[i])
+        if self.report is not None:
+            self.report(live)
 
     def end(self) -> None:
         pass
@@ -102,6 +113,11 @@ class StaticGenerator(_LocalTarget):
     bucket = True  # False: batches in submission order (the unbucketed baseline of bench_regen)
 
     def results(self):
+        """Each answer is handed out the decoding step its row stops (so a killed run keeps every finished
+        conversation, not only whole batches); rows that reach max_new_tokens come when the batch ends."""
+        import queue
+        import threading
+
         torch = self.torch
         while self.queue:
             # length buckets: the batch is the next `batch_size` prompts in length order
@@ -112,12 +128,33 @@ class StaticGenerator(_LocalTarget):
             pad = self.tok.pad_token_id
             input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch])
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
-            counter = TokenCounter(self.stops, self.on_tokens) if self.on_tokens else None
-            with torch.no_grad():
-                out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=self.config,
-                                          streamer=counter)
-            for (key, _), row in zip(batch, out[:, width:].tolist()):
-                yield key, self.answer(row)
+            finished: queue.Queue = queue.Queue()
+            given: set[int] = set()
+            stopped = None if self.force_length else (lambda row, tokens: finished.put((row, list(tokens))))
+            counter = TokenCounter(self.stops, self.on_tokens, stopped)
+            outcome: dict = {}
+
+            def decode():
+                try:
+                    with torch.no_grad():
+                        outcome["out"] = self.model.generate(input_ids=input_ids, attention_mask=mask,
+                                                             generation_config=self.config, streamer=counter)
+                except BaseException as exc:  # noqa: BLE001 — handed to the consumer, which raises it
+                    outcome["error"] = exc
+                finished.put(None)
+
+            worker = threading.Thread(target=decode, name="regenerate-decode", daemon=True)
+            worker.start()
+            while (item := finished.get()) is not None:
+                row, tokens = item
+                given.add(row)
+                yield batch[row][0], self.answer(tokens)
+            worker.join()
+            if "error" in outcome:
+                raise outcome["error"]
+            for row, ((key, _), tokens) in enumerate(zip(batch, outcome["out"][:, width:].tolist())):
+                if row not in given:
+                    yield key, self.answer(tokens)
 
 
 class ContinuousGenerator(_LocalTarget):

@@ -147,6 +147,42 @@ def test_pipeline_on_default_target(tmp_path):
     assert len(samples) == stats["written"] and all(s.loss_mask.sum() >= 4 for s in samples)
 
 
+def test_a_static_batch_hands_out_each_answer_the_step_it_stops(tmp_path, tiny_lm_dir):
+    """A kill loses only the conversations in flight: an answer whose row stopped is handed out (and regenerate writes
+    it) while the rest of its batch still decodes, and equals the answer the whole batch would have given."""
+    from dstrain.data.generators import StaticGenerator
+
+    def generator():
+        gen = StaticGenerator(str(tiny_lm_dir), Sampling(temperature=1.0, max_new_tokens=40), "float32", 8)
+        gen.stops = set(range(0, gen.model.config.vocab_size, 3))  # a third of the vocabulary stops: rows end apart
+        gen.config.eos_token_id = sorted(gen.stops)
+        for i in range(8):
+            gen.submit(f"k{i}", [{"role": "user", "content": f"hello number {i}"}])
+        return gen
+
+    gen, early = generator(), []
+    real_generate = gen.model.generate
+    finished = []
+    gen.model.generate = lambda *a, **k: (out := real_generate(*a, **k), finished.append(True))[0]
+    answers = {}
+    for key, answer in gen.results():
+        answers[key] = answer
+        early.append(not finished)
+    assert sorted(answers) == [f"k{i}" for i in range(8)]
+    assert early[0] and sum(early) >= 2, "answers must come out while their batch still decodes"
+    assert any(a[1] == "stop" for a in answers.values())
+    import torch
+
+    ref = generator()  # the same seed and batch through one plain generate call, read at its end
+    batch = sorted(ref.queue, key=lambda item: len(item[1]))
+    width, pad = max(len(ids) for _, ids in batch), ref.tok.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(x)) + x for _, x in batch])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for _, x in batch])
+    with torch.no_grad():
+        out = ref.model.generate(input_ids=ids, attention_mask=mask, generation_config=ref.config)
+    assert {key: ref.answer(row) for (key, _), row in zip(batch, out[:, width:].tolist())} == answers
+
+
 def test_continuous_batching_answers_equal_static_greedy(tmp_path, tiny_lm_dir):
     """Refilling slots changes the schedule, never the answers: greedy answers per prompt equal the static
     path's (batch 1, no padding), multi-turn histories included; the forced variant never stops early."""
@@ -179,7 +215,7 @@ def test_progress_counts_tokens_as_they_are_decoded(tmp_path, tiny_lm_dir, capsy
     from dstrain.data.generators import StaticGenerator
 
     streamed, counter = [], G.TokenCounter
-    monkeypatch.setattr(G, "TokenCounter", lambda stops, report: counter(stops, lambda n: (streamed.append(n), report(n))))
+    monkeypatch.setattr(G, "TokenCounter", lambda stops, report, *rest: counter(stops, lambda n: (streamed.append(n), report(n)), *rest))
 
     lines, steps = [], []
     monkeypatch.setattr(P.PlainProgress, "_line", lambda self: lines.append(self.line()))
