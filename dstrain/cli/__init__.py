@@ -28,6 +28,7 @@ COMMANDS: Table = {
         "prompts": ("data_prompts", "build a training prompt mix (code, math, chat) from local sources"),
         "regenerate": ("data_regenerate", "answer prompts with the target (local model or OpenAI-compatible endpoint)"),
         "shards": ("data_shards", "tokenize conversations into webdataset shards with a manifest"),
+        "synthetic": ("data_synthetic", "token shards for a random target without a tokenizer (tiny_moe)"),
         "pack": ("data_pack", "check, compress and describe a regenerated corpus for shipping"),
     },
     "upcycle": ("upcycle", "sparse-upcycle a dense Llama-style model into a Mixtral-format MoE target"),
@@ -44,6 +45,15 @@ COMMANDS: Table = {
 
 DESCRIPTION = ("dstrain: distributed training of speculative-decoding drafters (DSpark, DFlash, Eagle3, MTP-1) "
                "against frozen MoE targets.")
+
+
+def parse_anywhere(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options anywhere among the positionals (`dstrain train RECIPE --dry-run a.b=c`): plain parse_args stops the
+    overrides list at the first option and calls the rest unrecognised."""
+    try:
+        return ap.parse_intermixed_args(argv)
+    except TypeError:  # a parser argparse cannot intermix (REMAINDER): its own order
+        return ap.parse_args(argv)
 
 
 def _listing(table: Table, words: list[str]) -> str:
@@ -75,7 +85,7 @@ def _dispatch(table: Table, words: list[str], argv: list[str]) -> int:
     if isinstance(entry, dict):
         return _dispatch(entry, words + [ns.command], ns.args)
     module = importlib.import_module(f"dstrain.cli.{entry[0]}")
-    args = module.parser(" ".join(words + [ns.command])).parse_args(ns.args)
+    args = parse_anywhere(module.parser(" ".join(words + [ns.command])), ns.args)
     args.invocation = (words + [ns.command], list(ns.args))  # how it was called, for commands that record it
     return module.run(args)
 
@@ -92,7 +102,7 @@ def tool_main(name: str) -> None:
     module = importlib.import_module(f"dstrain.cli.{name}")
 
     def run() -> int:
-        args = module.parser(None).parse_args()
+        args = parse_anywhere(module.parser(None), sys.argv[1:])
         args.invocation = (["python", sys.argv[0]], sys.argv[1:])
         return module.run(args)
 

@@ -19,6 +19,17 @@ def shipped_recipes() -> dict[str, Path]:
     return {p.stem: p for p in sorted(SHIPPED_DIR.glob("*.yaml"))}
 
 
+def shipped_recipe_for_target(target_name: str) -> str | None:
+    """The name of a shipped recipe whose target is `target_name` (for messages that give a command to copy)."""
+    import yaml
+
+    for name, path in shipped_recipes().items():
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if (tree.get("target") or {}).get("name") == target_name:
+            return name
+    return None
+
+
 def describe(path: Path) -> str:
     """A recipe's one-line description: the first sentence of the comment block that opens its YAML (a sentence
     may wrap over several comment lines)."""

@@ -256,7 +256,7 @@ class TrainConfig(Section):
                             " the whole accumulated batch)")
     lr: float = Field(6e-4, gt=0.0, description="peak learning rate (AdamW)")
     min_lr: float = Field(6e-5, ge=0.0, description="learning rate at the end of the cosine decay")
-    warmup_steps: int = Field(50, ge=0, description="linear warmup steps")
+    warmup_steps: int = Field(50, ge=0, description="linear warmup steps (a warmup longer than train.steps is clamped to it)")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (β1, β2); a resume takes the recipe's. β2 = 0.95 is "
                                        "LLM pretraining's choice; DeepSpec's drafter trainers keep torch's 0.999")
@@ -343,8 +343,8 @@ class Recipe(Section):
                              " set it to null or world.mode=colocated")
         if self.train.feature_cache_layers is not None and not self.train.feature_cache_dir:
             raise ValueError("train.feature_cache_layers needs train.feature_cache_dir (it says what the cache stores)")
-        if self.train.warmup_steps > self.train.steps:
-            raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
+        # a short run of a long recipe (train.steps=4 on a 5-step warmup) warms up over the whole run
+        self.train.warmup_steps = min(self.train.warmup_steps, self.train.steps)
         if self.train.min_lr > self.train.lr:
             raise ValueError("train.min_lr must not exceed train.lr")
         if self.eval.every and self.world.mode == "disaggregated":

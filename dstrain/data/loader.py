@@ -25,7 +25,8 @@ from dstrain.verify import verify_files
 from dstrain.errors import UserError
 
 
-def load_manifest(folder: str | Path, expect_target: str | None = None, expect_fingerprint: str | None = None) -> dict:
+def load_manifest(folder: str | Path, expect_target: str | None = None, expect_fingerprint: str | None = None,
+                  make_with: str = "dstrain data shards") -> dict:
     """Read and check a shard folder's manifest: schema, target, tokenizer, every shard present and unaltered."""
     folder = Path(folder)
     path = folder / MANIFEST
@@ -34,7 +35,7 @@ def load_manifest(folder: str | Path, expect_target: str | None = None, expect_f
             raise UserError(f"data.shards {folder}: a file, not a folder; point data.shards at the folder"
                             " dstrain data shards wrote")
         if not path.is_file():
-            raise UserError(f"data.shards {folder}: no {MANIFEST} there; build shards with dstrain data shards")
+            raise UserError(f"data.shards {folder}: no {MANIFEST} there; build shards with {make_with}")
         man = json.loads(path.read_text())
     except OSError as exc:
         raise UserError(f"data.shards {folder}: cannot read {exc.filename or path} ({exc.strerror or exc}); make the"

@@ -141,7 +141,13 @@ def preflight(recipe):
     check_world_size(layout_of(recipe.world))
     check_node_size(layout_of(recipe.world))
     run_device(recipe, int(os.environ.get("LOCAL_RANK", "0")))  # e.g. run.device=cuda on a machine without one
-    load_manifest(recipe.data.shards, recipe.target.name)
+    from dstrain.config.files import shipped_recipe_for_target
+
+    make_shards = "dstrain data shards"
+    if recipe.target.source == "random":  # no tokenizer: token shards, from the one command that writes them
+        make_shards = (f"dstrain data synthetic --recipe {shipped_recipe_for_target(recipe.target.name) or 'RECIPE'}"
+                       f" --out {recipe.data.shards}")
+    load_manifest(recipe.data.shards, recipe.target.name, make_with=make_shards)
     if recipe.target.source == "path" and not Path(recipe.target.path).is_dir():
         from dstrain.config.hub import looks_like_hub_id, not_found_message
 
