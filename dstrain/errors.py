@@ -26,13 +26,16 @@ def cli_main(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from dstrain.once import first_to_say, warnings_once_per_job
         from dstrain.progress import quiet_library_bars_in_logs
 
         quiet_library_bars_in_logs()
+        warnings_once_per_job()
         try:
             code = fn(*args, **kwargs)
         except UserError as err:
-            print(f"error: {err}", file=sys.stderr)
+            if first_to_say(f"error: {err}"):  # under torchrun every rank raises a recipe's error: one line
+                print(f"error: {err}", file=sys.stderr)
             _tell_peers(f"error: {err}")
             raise SystemExit(EXIT_USER_ERROR) from None
         except Exception as exc:

@@ -50,6 +50,8 @@ DESCRIPTION = ("dstrain: distributed training of speculative-decoding drafters (
 def parse_anywhere(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Options anywhere among the positionals (`dstrain train RECIPE --dry-run a.b=c`): plain parse_args stops the
     overrides list at the first option and calls the rest unrecognised."""
+    if "-h" in argv or "--help" in argv:  # intermixed parsing hides positional defaults from the help text
+        return ap.parse_args(argv)
     try:
         return ap.parse_intermixed_args(argv)
     except TypeError:  # a parser argparse cannot intermix (REMAINDER): its own order

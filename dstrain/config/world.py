@@ -75,22 +75,22 @@ class WorldConfig(Section):
 
     def _check_whole_nodes(self, n: int) -> None:
         """Drafters and target each fill whole nodes, so no target group starts mid-node (see runtime/world.py)."""
-        t, key = self.target, f"world.ranks_per_node={n}"
+        t = self.target
         if self.mode == "colocated":
             if t.dp % n:
                 dp = -(-t.dp // n) * n
-                raise ValueError(f"colocated: {t.dp} rank(s) are not whole nodes of {key}: set world.target.dp={dp} and"
+                raise ValueError(f"colocated: {t.dp} rank(s) are not whole nodes of world.ranks_per_node={n}: set world.target.dp={dp} and"
                                  f" world.drafter_ranks={dp}, or world.ranks_per_node=null (one node)")
             return
         if n % t.tp:
-            raise ValueError(f"world.target.tp={t.tp} does not divide {key}: a tensor-parallel group would span nodes;"
+            raise ValueError(f"world.target.tp={t.tp} does not divide world.ranks_per_node={n}: a tensor-parallel group would span nodes;"
                              f" set world.target.tp to a divisor of {n}")
         if self.drafter_ranks % n:
             step = math.lcm(n, t.dp)  # whole nodes, and every target replica feeds as many drafters
             fit = -(-self.drafter_ranks // step) * step
-            raise ValueError(f"world.drafter_ranks={self.drafter_ranks} is not whole nodes of {key} (drafters get their own"
-                             f" nodes): set world.drafter_ranks={fit}")
+            raise ValueError(f"world.drafter_ranks={self.drafter_ranks} is not whole nodes of world.ranks_per_node={n} (drafters"
+                             f" get their own nodes): set world.drafter_ranks={fit}")
         if t.ranks % n:
             dp = next(d for d in range(t.dp, t.dp + n + 1) if (t.tp * t.pp * d) % n == 0)
-            raise ValueError(f"the target's tp*pp*dp={t.ranks} ranks are not whole nodes of {key}: set"
+            raise ValueError(f"the target's tp*pp*dp={t.ranks} ranks are not whole nodes of world.ranks_per_node={n}: set"
                              f" world.target.dp={dp} (or change tp/pp)")

@@ -304,10 +304,9 @@ def select(ckpt_dir: Path, say=None, quarantine_damaged: bool = False) -> str | 
             problem = None
         if problem is None:
             if bad:
-                moved = ""
-                if quarantine_damaged:
-                    moved = _quarantine_all(ckpt_dir, bad, tag)
-                say(f"checkpoint {ckpt_dir / bad[0][0]} is damaged ({bad[0][1]}){moved}; resuming from the previous good"
+                moved = _quarantine_all(ckpt_dir, bad, tag) if quarantine_damaged else None
+                aside = f"; moved aside to {moved} (kept, never deleted)" if moved else ""
+                say(f"checkpoint {ckpt_dir / bad[0][0]} is damaged ({bad[0][1]}){aside}; resuming from the previous good"
                     f" one, {folder}" + (f" ({len(bad) - 1} more damaged passed over)" if len(bad) > 1 else ""))
             return tag
         bad.append((tag, problem))
@@ -322,14 +321,14 @@ def _step_number(tag: str) -> int | None:
         return None
 
 
-def _quarantine_all(ckpt_dir: Path, bad: list, good: str) -> str:
-    """Move every damaged one aside and name the good one in `latest`; what to add to the line about the first."""
+def _quarantine_all(ckpt_dir: Path, bad: list, good: str):
+    """Move every damaged one aside and name the good one in `latest`; where the first went (None: it was missing)."""
     moved = [None if p == MISSING else quarantine(ckpt_dir, t, p) for t, p in bad]
     try:
         write_latest(ckpt_dir, good)
     except OSError:  # a read-only folder: resuming still works, the damaged one is only passed over again next time
         pass
-    return f"; moved aside to {moved[0]} (kept, never deleted)" if moved[0] else ""
+    return moved[0]
 
 
 def latest(ckpt_dir: Path, quarantine_damaged: bool = False) -> str | None:

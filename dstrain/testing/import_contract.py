@@ -11,7 +11,7 @@ from pathlib import Path
 
 # Lowest first. A package may import its own modules and any package of a lower layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("dstrain", "dstrain.errors", "dstrain.devices", "dstrain.progress", "dstrain.verify", "dstrain.capabilities"),
+    ("dstrain", "dstrain.errors", "dstrain.once", "dstrain.devices", "dstrain.progress", "dstrain.verify", "dstrain.capabilities"),
     ("dstrain.config",),
     ("dstrain.layers",),
     ("dstrain.packing",),

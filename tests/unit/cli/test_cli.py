@@ -23,12 +23,13 @@ SHIPPED = sorted((ROOT / "dstrain" / "recipes").glob("*.yaml"))
 
 # Each command, and words its --help must contain: its own arguments (so a help that lost them fails).
 HELP_NAMES = {
-    "train": ["recipe", "overrides", "--dry-run", "--print-world"],
+    "train": ["recipe", "overrides", "--dry-run", "--print-world", "--nproc-per-node"],
     "plan": ["recipe", "overrides"],
     "recipes": ["--path"],
     "data prompts": ["--out", "--count", "--mix"],
     "data regenerate": ["--prompts", "--target-dir", "--endpoint", "--continuous"],
     "data shards": ["--inputs", "--tokenizer", "--samples-per-shard"],
+    "data synthetic": ["--recipe", "--out", "--count", "--seed"],
     "data pack": ["--recipe", "--unpack", "--resplit"],
     "upcycle": ["--recipe", "--dense", "--experts", "--check"],
     "export": ["run", "out", "--format", "speculators"],
@@ -68,7 +69,7 @@ def test_every_command_has_help_naming_its_arguments():
         missing = [n for n in names if n not in text]
         assert not missing, f"dstrain {command} --help lacks {missing}"
     code, text, _ = call("data", "--help")
-    assert code == 0 and all(sub in text for sub in ("prompts", "regenerate", "shards", "pack"))
+    assert code == 0 and all(sub in text for sub in ("prompts", "regenerate", "shards", "synthetic", "pack"))
 
 
 def test_python_dash_m_and_help_is_fast():
@@ -80,6 +81,25 @@ def test_python_dash_m_and_help_is_fast():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "usage: dstrain" in proc.stdout and "TORCH False" in proc.stdout, proc.stdout[-500:]
+
+
+def test_options_anywhere_among_the_overrides():
+    """`dstrain train RECIPE --dry-run a.b=c` is the same command as with --dry-run last (argparse alone stopped the
+    overrides at the option and called the rest unrecognised)."""
+    last = call("train", "tiny_moe", "train.steps=7", "--dry-run")
+    between = call("train", "tiny_moe", "--dry-run", "train.steps=7")
+    assert last[0] == between[0] == 0 and last[1] == between[1] and "train    7 steps" in between[1]
+
+
+def test_data_synthetic_writes_the_shards_a_random_target_trains_on(tmp_path):
+    from dstrain.data.loader import load_manifest
+
+    code, text, err = call("data", "synthetic", "--recipe", "tiny_moe", "--out", str(tmp_path / "s"), "--count", "70")
+    assert code == 0, err
+    man = load_manifest(tmp_path / "s", "tiny-moe")
+    assert sum(s["samples"] for s in man["shards"]) == 70
+    code, _, err = call("data", "synthetic", "--recipe", "smollm2_moe", "--out", str(tmp_path / "t"))
+    assert code == 2 and "dstrain data shards --recipe smollm2_moe" in err and not (tmp_path / "t").exists()
 
 
 def test_plan_by_name_and_unknown_names():
