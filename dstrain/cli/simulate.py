@@ -89,6 +89,14 @@ def run(args: argparse.Namespace) -> int:
         mix = {k: float(v) for k, v in (item.split("=") for item in args.mix.split(","))}
     except ValueError:
         raise UserError(f"--mix {args.mix}: expected domain=weight,domain=weight") from None
+    try:
+        counts = [int(r) for r in args.concurrency.split(",")]
+    except ValueError:
+        raise UserError(f"--concurrency {args.concurrency}: expected whole numbers, e.g. 1,2,4,8") from None
+    if max(counts) > len(sps) - 1:  # each request verifies at least one token per step
+        raise UserError(f"--sps {args.sps} covers batches up to {len(sps) - 1} tokens, but --concurrency goes to "
+                        f"{max(counts)} requests: measure a larger table (tools/profile_sps.py --max-tokens "
+                        f"{max(counts)} or more) or lower --concurrency")
     main_sim = Simulator(traces_from_rollouts(saved[args.drafter], temps), mix, sps)
     if not main_sim.domains:
         raise UserError(f"--mix {args.mix}: none of these domains has rollouts ({', '.join(saved[args.drafter])})")
@@ -102,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         policies.insert(1, ("MTP-1", Simulator(traces_from_rollouts(saved[args.mtp], None), mix, sps), "static", {"gamma": 1}))
     curves = {}
     for label, sim, policy, kw in policies:
-        curves[label] = [sim.run(policy, int(r), args.steps, **kw) for r in args.concurrency.split(",")]
+        curves[label] = [sim.run(policy, r, args.steps, **kw) for r in counts]
         print(f"{label:>16}: " + ", ".join(f"R={p['concurrency']} {p['aggregate_tps']:.1f} tok/s ({p['per_user_tps']:.2f}/user)"
                                            for p in curves[label][::2]))
     users = [p["per_user_tps"] for c in curves.values() for p in c]

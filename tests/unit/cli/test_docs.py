@@ -300,3 +300,32 @@ def test_option_help_checker_catches_what_it_should():
     assert option_help_problems(ap) == ["--a: no help", "--b: help does not show its default 3 (add %(default)s)",
                                         "--d: help does not show its default 30 (add %(default)s)", "--e: no help",
                                         "--j: help does not show its default 0.0 (add %(default)s)"]
+
+
+# --- Every command block is run by the doc test or says why not -----------------------------------------------------
+
+def test_every_command_block_runs_or_says_why_not():
+    from doc_commands import problems
+
+    assert problems() == [], "\n".join(problems())
+
+
+def test_command_block_checker_catches_what_it_should(tmp_path):
+    from doc_commands import blocks, problems
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(
+        "```bash\ndstrain train RECIPE\n```\n\n<!-- doc-test: form: the commands shapes -->\n```bash\ndstrain recipes\n```\n\n"
+        "<!-- doc-test: long: quite a while -->\n```bash\ndstrain table\n```\n\n<!-- doc-test: later: soon enough -->\n"
+        "```bash\ndstrain plan tiny_moe\n```\n\n```bash\ncurl http://example.org\nsbatch job.sh\n```\n\n"
+        "```text\nnot a command\n```\n\n```bash\n# a comment\ndstrain data synthetic \\\n  --recipe tiny_moe  # c\n```\n")
+    assert problems(tmp_path) == [
+        "README.md:2: a placeholder in a block the doc test runs (mark the block form): dstrain train RECIPE",
+        "README.md:7: marked form but has no placeholder: run it, or mark the block with what it needs: dstrain recipes",
+        "README.md:11: doc-test long: say how long (quite a while)",
+        "README.md:16: doc-test kind 'later' is not one of form, gpu, cluster, hub, long, suite, yours",
+        "README.md:21: not a command the doc test knows how to run: curl http://example.org",
+        "README.md:22: sbatch runs on a cluster: mark the block cluster",
+    ]
+    last = blocks(tmp_path / "README.md")[-1]
+    assert last.commands == [(31, "dstrain data synthetic    --recipe tiny_moe  # c")]

@@ -47,6 +47,10 @@ def test_simulate_serving_tool(tmp_path):
     proc = run_tool("-m", "dstrain", "simulate", "--rollouts", str(tmp_path / "rollouts.pt"), "--drafter", "nope",
                     "--sps", str(tmp_path / "sps.json"), check=False)
     assert proc.returncode == 2 and "no rollouts named nope" in proc.stderr
+    proc = run_tool("-m", "dstrain", "simulate", "--rollouts", str(tmp_path / "rollouts.pt"), "--drafter", "dspark",
+                    "--sps", str(tmp_path / "sps.json"), "--concurrency", "1,1024", "--out", str(tmp_path / "big"), check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # was a traceback
+    assert "covers batches up to 511 tokens, but --concurrency goes to 1024" in proc.stderr and not (tmp_path / "big").exists()
 
 
 def test_profile_sps_writes_a_table_the_scheduler_reads(tmp_path):
