@@ -7,6 +7,7 @@ to the output folder; returns 0 only when every difference is within the toleran
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -69,10 +70,16 @@ def parity(release: Path, refs: Path, extra: list[str] = ()) -> dict:
     return report
 
 
+def size(value: float) -> float:
+    """A difference as the check weighs it: NaN or inf is infinitely large (max() would drop a NaN after a finite
+    value, and NaN > tolerance is False: a NaN passed)."""
+    return float(value) if math.isfinite(value) else math.inf
+
+
 def worst(tree) -> float:
-    """The largest max_abs_diff / abs_diff anywhere in a report."""
+    """The largest max_abs_diff / abs_diff anywhere in a report (inf when any is NaN or inf)."""
     if isinstance(tree, dict):
-        own = [v for k, v in tree.items() if k in ("max_abs_diff", "abs_diff") and isinstance(v, float)]
+        own = [size(v) for k, v in tree.items() if k in ("max_abs_diff", "abs_diff") and isinstance(v, (int, float))]
         return max(own + [worst(v) for k, v in tree.items() if isinstance(v, dict)], default=0.0)
     return 0.0
 
@@ -120,7 +127,8 @@ def check(out: Path, tol: float, venv: Path) -> int:
     bad = [f"{case}: AutoModel {k} {v}" for case, row in record["v41"].items()
            for k, v in row["automodel_keys"].items() if k != "consumed" and v]
     v4 = record["v4"]
-    v4_largest = max(max(v4[p].values()) for p in ("transformers_vs_automodel", "ours_vs_automodel", "ours_vs_transformers"))
+    v4_largest = max(size(v) for p in ("transformers_vs_automodel", "ours_vs_automodel", "ours_vs_transformers")
+                     for v in v4[p].values())
     bad += [f"V4: AutoModel {k} {v4['automodel'][k]}" for k in ("ignored_keys", "missing_keys") if v4["automodel"][k]]
     largest = max(worst(record["v41"]), v4_largest)
     if largest > tol:
