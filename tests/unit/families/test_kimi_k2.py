@@ -1,5 +1,5 @@
 """Kimi K2.x (transformers' kimi_k25) on megatron-core: compressed-tensors' INT4 packing (hand-computed words, round
-trips, the reader's slices and refusals), the composite config's unwrapping and the adapter's mapping, the shard plan
+trips, the reader against the compressed-tensors package's own packing and decompression, slices and refusals), the composite config's unwrapping and the adapter's mapping, the shard plan
 over the release layout, and parity with transformers at TP=2 × EP=2 × PP=2 (one torchrun launch)."""
 
 import json
@@ -75,6 +75,31 @@ def test_reader_dequantises_int4_slices(tmp_path):
         assert torch.equal(r.read(Read("a.weight", (8, 64), 1, 32, 64)), want[:, 32:])
         with pytest.raises(UserError, match="a.weight has shape \\[8, 64\\] on disk but the config implies \\[8, 32\\]"):
             r.read(full("a.weight", (8, 32)))
+
+
+@pytest.mark.parametrize("rows,cols", [(8, 96), (3, 32), (16, 256)])
+def test_reader_reads_what_compressed_tensors_itself_packs(tmp_path, rows, cols):
+    """The independent decoder: compressed-tensors' own PackedQuantizationCompressor (the package that writes Kimi's
+    INT4 release) packs a bf16 weight; dstrain's reader reads it exactly as the package's own decompress does: equal
+    at fp32 (a float32 scale), and at bf16 once rounded as the package rounds (q · scale in the scale's dtype)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows), dtype=torch.bfloat16)
+    scale = (w.float().view(rows, cols // 32, 32).abs().amax(-1) / 7).to(torch.bfloat16)
+    packed = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+    save_file({f"a.{k}": v.contiguous() for k, v in packed.items()}, tmp_path / "model.safetensors")
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"weights": args.model_dump(mode="json")}}}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"quantization_config": quant}}))
+    with CheckpointReader(tmp_path) as r:
+        ours = r.read(full("a.weight", (rows, cols)))
+    theirs_fp32 = PackedQuantizationCompressor.decompress({**packed, "weight_scale": scale.float()}, scheme)["weight"]
+    theirs_bf16 = PackedQuantizationCompressor.decompress(dict(packed), scheme)["weight"]
+    assert torch.equal(ours, theirs_fp32) and torch.equal(ours.to(torch.bfloat16), theirs_bf16)
+    assert (ours - w.float()).abs().max() <= scale.float().max() * 0.5 + 1e-6  # and it is the weight, to half a step
 
 
 @pytest.mark.parametrize("weights,match", [
