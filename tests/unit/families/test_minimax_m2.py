@@ -12,7 +12,7 @@ from dstrain.errors import UserError
 from dstrain.families.minimax_m2 import target as minimax
 from dstrain.targets.checkpoint import CheckpointReader
 from dstrain.targets.configs import config_from_dict
-from dstrain.targets.shard_plan import RankCoords
+from dstrain.targets.shard_plan import RankCoords, full
 from dstrain.testing.tiny_minimax_m2 import MINIMAX_M2
 
 TOL = 1e-4  # the issue's bound for fp32 parity
@@ -105,6 +105,23 @@ def test_release_loads_on_the_hf_backend(tmp_path):
     assert sorted(mine) == sorted(theirs)
     for k in mine:
         assert (mine[k] - theirs[k].float()).abs().max() <= mine[k].abs().max() * 2 ** -7, k
+
+
+def test_reader_dequantises_as_transformers_does_at_the_parity_block_size(tmp_path):
+    """The independent FP8 decoder: transformers' own load of the release (its FineGrainedFP8 dequantisation on the
+    CPU) against dstrain's reader, tensor by tensor, at the parity's 32 × 32 blocks: all 112 FP8 tensors equal. The
+    experts are 64 rows wide here, whole blocks as the release's 1536 are whole 128-blocks (transformers dequantises
+    w1 / w3 after fusing them, so a block across the 48-row seam of the parity config would misalign its scales)."""
+    from dstrain.targets.hf import load_hf_model
+    from dstrain.testing.tiny_minimax_m2 import (FP8_BLOCK, MINIMAX_M2, fp8_quantised, minimax_m2_model,
+                                                 release_state, write_minimax_m2)
+
+    folder = write_minimax_m2(tmp_path, minimax_m2_model({**MINIMAX_M2, "intermediate_size": 64}, seed=3), block=FP8_BLOCK)
+    theirs = {k: t for k, t in release_state(load_hf_model(folder)).items() if fp8_quantised(k)}
+    assert len(theirs) == 4 * (4 + 3 * 8)  # per layer: q, k, v, o and each expert's w1, w2, w3
+    with CheckpointReader(folder) as reader:
+        unequal = [k for k, t in theirs.items() if not torch.equal(reader.read(full(k, tuple(t.shape))).to(t.dtype), t)]
+    assert unequal == []
 
 
 def test_rank_plan_reads_the_release(release):
