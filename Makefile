@@ -19,7 +19,7 @@ export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: slurm install test test-fast demo eval-demo dry-run clean engine-check engine-venv reference-check automodel-venv
+.PHONY: slurm mooncake install test test-fast demo eval-demo dry-run clean engine-check engine-venv reference-check automodel-venv
 
 install: $(STAMP)
 
@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml $(LOCK)
 # first's outcome; the target fails if either did.
 # (nproc without OMP_NUM_THREADS: nproc reports that variable's value when it is set, and CI sets it to 1.)
 TEST_WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
-test: install slurm engine-venv
+test: install slurm mooncake engine-venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not distributed" --durations=25 tests; single=$$?; \
 	$(PY) -m pytest -q -p no:xdist -m distributed --durations=15 tests; multi=$$?; \
 	echo "make test: single-process tests exit $$single, multi-process tests exit $$multi"; [ $$single = 0 ] && [ $$multi = 0 ]
@@ -55,6 +55,17 @@ slurm:
 	   (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null)); } || \
 	  { case "$$CI" in ""|0|false|no) ;; *) echo "slurm-wlm could not be installed (apt-get failed or is missing); CI runs tests/integration/test_slurm.py and needs it" >&2; exit 1;; esac; \
 	    echo "slurm-wlm not installed (no apt-get): tests/integration/test_slurm.py will skip (and fail where CI is set)"; }
+
+# Mooncake Store (dstrain/transport/mooncake.py): Debian's RDMA verbs library, which even its non-CUDA wheel links, then
+# the wheel itself without its dependencies (aiohttp, requests, msgpack: its store client needs none of them); the
+# version from $(LOCK). On GPU hosts the CUDA wheel (mooncake-transfer-engine) takes its place.
+MOONCAKE := mooncake-transfer-engine-non-cuda
+mooncake: install
+	@ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 " || { command -v apt-get >/dev/null && \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null || \
+	   (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null)); } || \
+	  { echo "libibverbs1 could not be installed (apt-get failed or is missing): Mooncake cannot load" >&2; exit 1; }
+	@$(PY) -c "import mooncake.store" 2>/dev/null || $(PIP) install -c $(LOCK) --no-deps $(MOONCAKE)
 
 test-fast: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not distributed" tests

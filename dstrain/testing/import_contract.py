@@ -13,6 +13,7 @@ from pathlib import Path
 LAYERS: list[tuple[str, ...]] = [
     ("dstrain", "dstrain.errors", "dstrain.once", "dstrain.devices", "dstrain.progress", "dstrain.verify", "dstrain.capabilities"),
     ("dstrain.config",),
+    ("dstrain.transport",),
     ("dstrain.layers",),
     ("dstrain.packing",),
     ("dstrain.drafters",),
