@@ -142,8 +142,10 @@ def install_venv(venv: Path, lock: Path, import_check_code: str, log_dir: Path, 
 
 
 def install_engine(args, out: Path) -> dict:
-    return install_venv(Path(args.venv), LOCK, "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', "
-                        "torch.__version__, 'transformers', transformers.__version__)", out / "logs", args.python)
+    # mooncake.store: the engine's connector puts features into Mooncake (it loads only with Debian's libibverbs1)
+    return install_venv(Path(args.venv), LOCK, "import vllm, torch, transformers, mooncake.store; print('vllm', "
+                        "vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)",
+                        out / "logs", args.python)
 
 
 # ---------------------------------------------------------------------------------------------------- 2 data

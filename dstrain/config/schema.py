@@ -88,6 +88,9 @@ class TargetConfig(Section):
                                       "$DSTRAIN_VLLM_PYTHON, else the repository's .venv-engine from make engine-venv)")
     engine_tensor_parallel: int = Field(1, ge=1, description="backend=vllm: vLLM's own tensor parallel size inside its "
                                         "server (its devices are the server's, not dstrain ranks)")
+    engine_transport: Literal["mooncake", "files"] = Field("mooncake", description="backend=vllm: how the server hands "
+                                                            "features over: Mooncake Store (make mooncake), or files in "
+                                                            "/dev/shm (the one-host fallback)")
     engine_timeout_s: float = Field(300.0, gt=0, description="backend=vllm: longest wait for the server's answer to one "
                                     "batch; past it the server is stopped and named in one line (rerun to resume)")
     engine_start_timeout_s: float = Field(900.0, gt=0, description="backend=vllm: longest wait for the server to load "

@@ -18,7 +18,6 @@ import json
 import os
 import queue
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from torch import nn
 
 from dstrain.errors import UserError
 from dstrain.targets.base import TargetOutput
+from dstrain.transport.processes import die_with_parent
 
 SERVER = Path(__file__).resolve().parent / "vllm_engine" / "server.py"
 VLLM_VERSION = "0.32.0"  # the version the server and its connector are written against (tools/engine_check/requirements.lock)
@@ -53,34 +53,46 @@ def vllm_layer_ids(capture_layers: list[int], num_layers: int) -> list[int]:
     return [i + 1 for i in capture_layers] + [num_layers]
 
 
-def _die_with_parent() -> None:
-    """In the server's process before it execs: the kernel stops it when the rank that started it dies, however it
-    dies (a killed rank's server was left running, holding its memory and cores)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the server still ends when its stdin closes
-        pass
-
-
 class VllmEngine:
     """The server process: rows of token ids in, [tokens, ids, hidden] per row out. Every wait on it has a limit."""
 
     def __init__(self, python: Path, model: str, layer_ids: list[int], dtype: str, max_model_len: int,
                  tensor_parallel: int = 1, timeout_s: float = 300.0, start_timeout_s: float = 900.0,
-                 bytes_per_value: int = 4):
+                 bytes_per_value: int = 4, transport: str = "files"):
         base = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self.scratch = Path(tempfile.mkdtemp(prefix=f"dstrain-vllm-{os.getpid()}-", dir=base))  # whose it is: pid
         self.log = deque(maxlen=40)  # vLLM's last lines, for the one-line error when it dies
+        self.master = self.store = None
+        self.batches = 0
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "TQDM_DISABLE": "1"}
+        extra = []
+        if transport == "mooncake":
+            from dstrain.transport.mooncake import MooncakeMaster, SampleStore
+
+            try:
+                self.master = MooncakeMaster()  # this client's own, on 127.0.0.1 (one host); stopped with it
+                self.store = SampleStore(self.master.address, segment_mib=64, buffer_mib=256)
+            except UserError as err:
+                if self.master is not None:
+                    self.master.stop()
+                shutil.rmtree(self.scratch, ignore_errors=True)
+                raise UserError(f"target.backend=vllm: {err} (or target.engine_transport=files, the one-host "
+                                "fallback)") from None
+            self.run_id = f"vllm-{os.getpid()}-{self.master.port}"
+            self.store.clean_run(self.run_id)
+            # the connector imports dstrain.transport: only the dstrain package on the engine's path, nothing beside it
+            path = self.scratch / "py"
+            path.mkdir()
+            (path / "dstrain").symlink_to(Path(__file__).resolve().parents[1])
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
+            extra = ["--mooncake-master", self.master.address]
         self.proc = subprocess.Popen(
             [str(python), str(SERVER), "--model", model, "--layer-ids", ",".join(map(str, layer_ids)), "--dtype", dtype,
              "--scratch", str(self.scratch), "--max-model-len", str(max_model_len),
-             "--tensor-parallel-size", str(tensor_parallel)],
+             "--tensor-parallel-size", str(tensor_parallel), *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            preexec_fn=_die_with_parent)
+            preexec_fn=die_with_parent)
         self.layer_ids, self.timeout_s, self.bytes_per_value = layer_ids, timeout_s, bytes_per_value
         self.seconds = {"engine": 0.0, "handover": 0.0}  # waiting on the server; reading its files (tools/bench_vllm_target.py)
         self.lines: queue.Queue = queue.Queue()  # the server's stdout, read by a thread so that every wait can end
@@ -123,10 +135,12 @@ class VllmEngine:
             if line.startswith(TAG):
                 return json.loads(line[len(TAG):])
             self.log.append(line.rstrip())
-        code = self.proc.wait()
-        raise UserError(f"target.backend=vllm: the vLLM server exited (code {code}) — "
-                        f"{next((x for x in reversed(self.log) if x.strip()), 'no output')}; "
-                        "the run resumes from its last checkpoint once the engine runs again")
+        raise self._exited()
+
+    def _exited(self) -> UserError:
+        return UserError(f"target.backend=vllm: the vLLM server exited (code {self.proc.wait()}) — "
+                         f"{next((x for x in reversed(self.log) if x.strip()), 'no output')}; "
+                         "the run resumes from its last checkpoint once the engine runs again")
 
     def check_room(self, rows: list[list[int]]) -> None:
         """The batch's files must fit where they are written: a full /dev/shm (Docker's default is 64 MiB) fails
@@ -141,21 +155,36 @@ class VllmEngine:
     def capture(self, rows: list[list[int]]) -> list[torch.Tensor]:
         from safetensors.torch import load_file
 
-        self.check_room(rows)
+        if self.proc.poll() is not None:  # stopped earlier (a timeout) or died between batches
+            raise self._exited()
+        request = {"rows": rows}
+        if self.store is not None:
+            from dstrain.transport.samples import sample_key
+
+            request["keys"] = [sample_key(self.run_id, f"b{self.batches}r{i}") for i in range(len(rows))]
+        else:
+            self.check_room(rows)
+        self.batches += 1
         try:
-            self.proc.stdin.write(json.dumps({"rows": rows}) + "\n")
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # _read reports the exit
         t = time.perf_counter()
-        files = self._read(self.timeout_s, f"a batch of {len(rows)} rows, {sum(map(len, rows))} tokens")["files"]
+        answer = self._read(self.timeout_s, f"a batch of {len(rows)} rows, {sum(map(len, rows))} tokens")
         t2 = time.perf_counter()
         out = []
-        for row, path in zip(rows, files):
-            data = load_file(path)
-            os.remove(path)
+        for i, row in enumerate(rows):
+            if self.store is not None:
+                where = answer["keys"][i]
+                data = self.store.get(where, self.timeout_s)
+                self.store.remove(where, list(data))
+            else:
+                where = answer["files"][i]
+                data = load_file(where)
+                os.remove(where)
             if data["token_ids"].tolist() != row:
-                raise RuntimeError(f"vLLM answered {path} for other tokens than sent")  # a protocol bug, not a user's
+                raise RuntimeError(f"vLLM answered {where} for other tokens than sent")  # a protocol bug, not a user's
             out.append(data["hidden_states"])
         self.seconds["engine"] += t2 - t
         self.seconds["handover"] += time.perf_counter() - t2
@@ -174,6 +203,16 @@ class VllmEngine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.store is not None:
+            try:
+                self.store.clean_run(self.run_id)
+            except UserError:  # its master may be what failed
+                pass
+            self.store.close()
+            self.store = None
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -213,7 +252,8 @@ class VllmTarget:
                                  getattr(target_cfg, "engine_tensor_parallel", 1),
                                  timeout_s=getattr(target_cfg, "engine_timeout_s", 300.0),
                                  start_timeout_s=getattr(target_cfg, "engine_start_timeout_s", 900.0),
-                                 bytes_per_value=DTYPES[target_cfg.dtype].itemsize)
+                                 bytes_per_value=DTYPES[target_cfg.dtype].itemsize,
+                                 transport=getattr(target_cfg, "engine_transport", "files"))
 
     @property
     def embedding(self) -> nn.Embedding:

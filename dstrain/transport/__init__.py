@@ -5,4 +5,5 @@ samples.py  the route-independent contract: keys with attempt numbers, a sample'
             dtypes, CRC32, written last), the ledger of consumed samples that a checkpoint keeps
 mooncake.py Mooncake Store as the carrier (TCP on a CPU host, RDMA on a cluster): a master for local runs, the client
             with every return code turned into one line
+processes.py the hand-over's child processes end with the rank that started them
 """

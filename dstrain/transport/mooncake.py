@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import UserError
+from dstrain.transport.processes import die_with_parent
 from dstrain.transport.samples import MANIFEST, decode, encode, parse_manifest, part_key, run_prefix
 
 MOONCAKE_VERSION = "0.3.13.post1"  # mooncake-transfer-engine-non-cuda (requirements.lock); its CUDA build on GPU hosts
@@ -59,7 +60,8 @@ class MooncakeMaster:
         # its HTTP metrics server binds 0.0.0.0:9003 unless told: loopback, and a port of its own per master
         self.proc = subprocess.Popen([binary, f"-rpc_address={LOOPBACK}", f"-rpc_port={self.port}",
                                       f"-metrics_host={LOOPBACK}", f"-metrics_port={_free_port()}"],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,5 +1,6 @@
 """The vLLM side of target.backend=vllm: serve a frozen target in vLLM and hand back the hidden states the engine
-itself computes, prefill only. Runs in the engine's interpreter (its own venv); never imports dstrain.
+itself computes, prefill only. Runs in the engine's interpreter (its own venv): of dstrain, only its connector imports
+dstrain.transport (the client puts the repository on PYTHONPATH).
 
 vLLM runs the target with the `extract_hidden_states` speculative method (a cache-only draft layer stores the
 auxiliary hidden states of every prompt token) and this folder's DstrainHiddenStatesConnector, which writes them to
@@ -11,7 +12,10 @@ start with "@dstrain "; everything else there is vLLM's own output. After start-
 {"ready": true, "vllm": VERSION, "architecture": ..., "num_hidden_layers": N, "hidden_size": H, "device": "cpu"},
 or {"error": "..."} and exits 2. Each
 request {"rows": [[token ids], ...]} is answered with {"files": [path per row]}: complete files (their locks
-released), holding "hidden_states" [tokens, layer ids, hidden] and "token_ids"; the client deletes them.
+released), holding "hidden_states" [tokens, layer ids, hidden] and "token_ids"; the client deletes them. With
+--mooncake-master, a request {"rows": [...], "keys": [sample key per row]} puts each row's "hidden_states" and
+"token_ids" into Mooncake Store as that sample (manifest last) and is answered {"keys": [...]}; the client reads and
+removes them (dstrain/transport/mooncake.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import sys
 import traceback
 
@@ -47,6 +52,7 @@ def main() -> int:
     ap.add_argument("--scratch", required=True)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--mooncake-master", help="hand features over through Mooncake Store (its master's HOST:PORT)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the connector module
 
@@ -64,7 +70,9 @@ def main() -> int:
                   kv_transfer_config={"kv_connector": "DstrainHiddenStatesConnector",
                                       "kv_connector_module_path": "dstrain_hidden_states_connector",
                                       "kv_role": "kv_producer",
-                                      "kv_connector_extra_config": {"shared_storage_path": args.scratch}})
+                                      "kv_connector_extra_config": {"shared_storage_path": args.scratch,
+                                                                    "allow_custom_save_path": bool(args.mooncake_master),
+                                                                    "dstrain_mooncake_master": args.mooncake_master}})
         from vllm.platforms import current_platform
 
         hf = llm.llm_engine.model_config.hf_config
@@ -77,9 +85,13 @@ def main() -> int:
         say({"error": f"{type(exc).__name__}: {exc}"})
         return 2
 
+    # SIGTERM (the kernel's, when the client rank dies: PR_SET_PDEATHSIG) ends the loop like a closed stdin, so the
+    # hand-over folder below still goes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return serve(llm, args.scratch)
     finally:  # the client's stdin closed (it finished, or died without closing us): the hand-over folder goes too
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a client's death brings EOF and SIGTERM at once: finish this
         shutil.rmtree(args.scratch, ignore_errors=True)
 
 
@@ -92,17 +104,22 @@ def serve(llm, scratch: str) -> int:
     for line in sys.stdin:
         if not line.strip():
             continue
-        rows = json.loads(line)["rows"]
-        outs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], once, use_tqdm=False)
+        request = json.loads(line)
+        rows, keys = request["rows"], request.get("keys")
+        # with keys, each row's features go to Mooncake Store as that sample (the connector's mooncake:// paths)
+        params = [SamplingParams(max_tokens=1, temperature=0.0,
+                                 extra_args={"kv_transfer_params": {"hidden_states_path": "mooncake://" + k}})
+                  for k in keys] if keys else once
+        outs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
         files = [o.kv_transfer_params["hidden_states_path"] for o in outs]
-        # the connector writes a request's file when the engine next steps: one more one-token request drives it
+        # the connector writes a request's features when the engine next steps: one more one-token request drives it
         extra = llm.generate([TokensPrompt(prompt_token_ids=rows[0][:1])], once, use_tqdm=False)
-        for path in files + flush:
+        for path in ([] if keys else files) + flush:
             wait_written(path)
         for path in flush:
             os.remove(path)
         flush = [extra[0].kv_transfer_params["hidden_states_path"]]
-        say({"files": files})
+        say({"keys": keys} if keys else {"files": files})
     return 0
 
 

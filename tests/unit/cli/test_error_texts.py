@@ -38,15 +38,26 @@ def _text(node, constants: dict) -> str | None:
     return None
 
 
+def _module_constants(tree) -> dict[str, str]:
+    return {a.targets[0].id: a.value.value for a in tree.body
+            if isinstance(a, ast.Assign) and len(a.targets) == 1 and isinstance(a.targets[0], ast.Name)
+            and isinstance(a.value, ast.Constant) and isinstance(a.value.value, str)}
+
+
 @lru_cache(maxsize=None)
 def code_strings(root: Path = ROOT) -> tuple[str, ...]:
-    trees = [ast.parse(path.read_text(encoding="utf-8")) for path in sorted((root / "dstrain").rglob("*.py"))]
-    # module-level NAME = "text" constants (imported ones too), as an f-string's {NAME} prints them
-    constants = {a.targets[0].id: a.value.value for tree in trees for a in tree.body
-                 if isinstance(a, ast.Assign) and len(a.targets) == 1 and isinstance(a.targets[0], ast.Name)
-                 and isinstance(a.value, ast.Constant) and isinstance(a.value.value, str)}
+    paths = sorted((root / "dstrain").rglob("*.py"))
+    trees = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): ast.parse(p.read_text(
+        encoding="utf-8")) for p in paths}
+    own = {module: _module_constants(tree) for module, tree in trees.items()}
     out = []
-    for tree in trees:
+    for module, tree in trees.items():
+        # an f-string's {NAME} prints the module-level NAME = "text" of its own module, or of the one it came from
+        constants = dict(own[module])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in own:
+                constants.update({a.asname or a.name: own[node.module][a.name] for a in node.names
+                                  if a.name in own[node.module]})
         for node in ast.walk(tree):
             text = _text(node, constants)
             if text and len(text.replace(FIELD, "")) >= 8:
