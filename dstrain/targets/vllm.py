@@ -109,8 +109,9 @@ class VllmEngine:
         if hello.get("device", "cpu") != "cpu":
             self.close()
             raise UserError(f"target.backend=vllm: the engine runs on {hello['device']}, but its features are handed "
-                            "over through host files and the GPU hand-over (CUDA IPC or Mooncake's GPU registration) is not "
-                            "built: use vLLM's CPU build (make engine-venv), or target.backend=megatron on GPUs")
+                            "over through host memory (Mooncake over TCP, or files) and the GPU hand-over (CUDA IPC or "
+                            "Mooncake's GPU registration) is not built: use vLLM's CPU build (make engine-venv), or "
+                            "target.backend=megatron on GPUs")
         self.info = hello
 
     def _pump(self) -> None:
