@@ -21,6 +21,11 @@ RELEASES = {
     "gpt_oss_120b": {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128},
     # DeepSeek-V3's config.json: transformers' DeepseekV3Config defaults, the published YaRN and 163840 positions
     "deepseek_v3": {"model_type": "deepseek_v3", "max_position_embeddings": 163840, "rope_parameters": PUBLISHED_YARN},
+    # Qwen/Qwen3-30B-A3B's config.json
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                      moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=128, num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False),
 }
 COMPARED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "n_routed_experts", "num_local_experts",
