@@ -73,8 +73,10 @@ def protocol_words(res: dict) -> str:
             + (" Protocol 3: every family trained with the reference implementation's settings (DeepSpec afdfa7c): "
                "AdamW at 6e-4 with β2 0.999, 4 % warmup, cosine to 0; DSpark and DFlash with a dense SwiGLU of the target's width, full "
                "attention over the context, position decay exp(−(k−1)/4), DFlash as DeepSpec's DFlash config has it (the "
-               "anchor slot predicts too, cross-entropy only); Eagle3 decaying 0.8 a position; every family's "
-               "trainable matrices from N(0, the target's initializer_range)."
+               "anchor slot predicts too, cross-entropy only); Eagle3 decaying 0.8 a position, its model otherwise the "
+               "recipe's (a sliding window of 128, an MoE feed-forward, no q/k-norm, 0.1 CE + 0.9 TV), not DeepSpec's "
+               "Eagle3 (dense MLP, q/k-norm, no window, soft cross-entropy); every family's trainable matrices from N(0, "
+               "the target's initializer_range)."
                if proto["preset"] == "paper3" else "")
             + (f" Every run trained with these changes to the recipe: {', '.join(f'`{x}`' for x in proto['set'])}."
                if proto.get("set") else ""))
