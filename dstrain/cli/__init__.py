@@ -30,6 +30,7 @@ COMMANDS: Table = {
         "shards": ("data_shards", "tokenize conversations into webdataset shards with a manifest"),
         "synthetic": ("data_synthetic", "token shards for a random target without a tokenizer (tiny_moe)"),
         "pack": ("data_pack", "check, compress and describe a regenerated corpus for shipping"),
+        "features": ("data_features", "fill a recipe's feature cache: the target runs once per sample, before training"),
     },
     "upcycle": ("upcycle", "sparse-upcycle a dense Llama-style model into a Mixtral-format MoE target"),
     "export": ("export", "export a trained drafter (dstrain, speculators/vLLM, deepspec/SGLang, sglang-eagle3, deepseek-v4, deepseek-v41 formats)"),

@@ -6,7 +6,7 @@ survival Π c, earlier positions fixed. Stores the temperatures with the drafter
 per position ECE, AUROC and Brier before and after (calibration.md / .json, reliability.png) and the
 static-threshold diagnostic of paper Fig. 6 per domain (threshold_sweep.png).
 
-  dstrain calibrate exports/smollm2-moe-dspark                    # held-out generated prompts
+  dstrain calibrate exports/smollm2-dspark                    # held-out generated prompts
   dstrain calibrate runs/x --prompts heldout.jsonl                # your own held-out traffic
   dstrain calibrate runs/x --rollouts runs/eval/rollouts.pt       # reuse dstrain eval's rollouts
 """

@@ -2,10 +2,12 @@
 
 Stages: prepare the upcycled SmolLM2-MoE target (cached) and check the shipped corpus was made by it →
 unpack the corpus's training split → regenerate a handful of fresh prompts with the target (the stage a
-user runs on their own prompts; resumable) → shards → DSpark training (dstrain train, resumes from its
-last checkpoint) → held-out τ: speculative decoding on corpus prompts of the same mix it never trained
-on → benchmark τ on GSM8K / HumanEval / MT-Bench prompts drawn at random (seed 0, stratified by category) with the
-same settings, beside it → RUN_DIR/summary.json with losses, τ̂ at the start and the end, both τ and their ratio.
+user runs on their own prompts; resumable) → shards → the target's features of every sample computed once into
+the recipe's feature cache (dstrain data features; resumable) → DSpark training on them (dstrain train, resumes from
+its last checkpoint) → the drafter exported in the speculators format engines load → held-out τ: speculative
+decoding on corpus prompts of the same mix it never trained on → benchmark τ on GSM8K / HumanEval / MT-Bench prompts
+drawn at random (seed 0, stratified by category) with the same settings, beside it → RUN_DIR/summary.json with the
+stages' costs, losses, τ̂ at the start and the end, both τ and their ratio.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def agreement_line(a: dict) -> str:
 
 def parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default="smollm2_moe",
+    ap.add_argument("--recipe", default="smollm2_dspark",
                     help="the recipe: target, drafter and training settings (default %(default)s)")
     ap.add_argument("--corpus", default="smollm2_moe", help="packed corpus made by the recipe's target: a folder (dstrain data "
                     "pack) or a shipped corpus's name (default %(default)s, shipped inside the package)")
@@ -127,20 +129,20 @@ def _run(args, recipe, data_dir: Path, run_dir: Path) -> int:
     shards = Path(recipe.data.shards)
     timings, summary = {}, {"recipe": args.recipe, "target": recipe.target.name}
     t = time.perf_counter()
-    print("[1/7] preparing the target (the first time: SmolLM2-135M upcycled to a MoE and cached, ~1-2 min)", flush=True)
+    print("[1/9] preparing the target (the first time: SmolLM2-135M upcycled to a MoE and cached, ~1-2 min)", flush=True)
     folder = target_folder(recipe.target)
     man = corpus.check_target(Path(args.corpus), folder, recipe.target.name)
     data_dir.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     timings["prepare_target_s"] = time.perf_counter() - t
-    print(f"[1/7] target ready: {folder}; {args.corpus} was made by it ({timings['prepare_target_s']:.1f}s)")
+    print(f"[1/9] target ready: {folder}; {args.corpus} was made by it ({timings['prepare_target_s']:.1f}s)")
 
     train_jsonl, held_prompts = data_dir / "corpus_train.jsonl", data_dir / "held_out_prompts.jsonl"
     n_train = corpus.unpack(Path(args.corpus), train_jsonl, "train")
     n_held = corpus.held_out_prompts(Path(args.corpus), held_prompts)
     summary["corpus"] = {"path": args.corpus, "train_conversations": n_train, "held_out_prompts": n_held,
                          "records": man["records"], "prompts": man["prompts"], "complete": man["complete"]}
-    print(f"[2/7] corpus: {n_train} training conversations ({man['records']}/{man['prompts']} answered), {n_held} held-out prompts")
+    print(f"[2/9] corpus: {n_train} training conversations ({man['records']}/{man['prompts']} answered), {n_held} held-out prompts")
 
     t = time.perf_counter()
     fresh_prompts, inputs = data_dir / "fresh_prompts.jsonl", [str(train_jsonl)]
@@ -157,7 +159,7 @@ def _run(args, recipe, data_dir: Path, run_dir: Path) -> int:
         stats = regenerate(str(fresh_prompts), str(data_dir / "fresh_conversations.jsonl"), gen, recipe.target.name)
         summary["regenerate"] = {k: v for k, v in stats.items() if k != "bad_data"}
         inputs.append(str(data_dir / "fresh_conversations.jsonl"))
-        print(f"[3/7] regenerated {stats['written']} fresh conversations, {stats['turn_tokens']} tokens at {stats['tokens_per_s']:.1f} tok/s")
+        print(f"[3/9] regenerated {stats['written']} fresh conversations, {stats['turn_tokens']} tokens at {stats['tokens_per_s']:.1f} tok/s")
     timings["regenerate_s"] = time.perf_counter() - t
 
     tok = AutoTokenizer.from_pretrained(folder)
@@ -165,12 +167,28 @@ def _run(args, recipe, data_dir: Path, run_dir: Path) -> int:
                          recipe.target.name, overwrite=True)
     samples = sum(1 for _ in ShardLoader(shards, expect_target=recipe.target.name, max_length=recipe.data.max_length).iter_epoch())
     summary["shards"] = {**built["counts"], "bad_data": built["bad_data"]["counts"], "loader_samples": samples}
-    print(f"[4/7] shards: {built['counts']['samples']} samples, {built['counts']['loss_tokens']} supervised tokens; loader read {samples}")
+    print(f"[4/9] shards: {built['counts']['samples']} samples, {built['counts']['loss_tokens']} supervised tokens; loader read {samples}")
+
+    overrides = demo_train_overrides(recipe, args.steps)
+    if recipe.train.feature_cache_dir:  # every sample the run reads, once; its epochs after the first read the cache
+        t = time.perf_counter()
+        reads = (args.steps or recipe.train.steps) * recipe.train.micro_batch_size * recipe.train.grad_accum
+        cmd = [sys.executable, "-m", "dstrain", "data", "features", "--recipe", args.recipe, "--json",
+               *(["--samples", str(reads)] if reads < samples else [])]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise UserError("the feature stage failed (its error is printed above)")
+        summary["feature_cache"] = json.loads(done.stdout.splitlines()[-1])
+        timings["features_s"] = time.perf_counter() - t
+        f = summary["feature_cache"]
+        print(f"[5/9] target features of {f['samples']} samples in {recipe.train.feature_cache_dir}: {f['computed']} "
+              f"computed ({f['tokens']} tokens, {f['seconds']:.0f}s), {f['cached_before']} cached before; "
+              f"{f['disk_bytes'] / 2**30:.2f} GiB on disk")
 
     t = time.perf_counter()
     run_folder = Path(recipe.run.output_dir) / recipe.run.name
     start_fresh_if_data_changed(run_folder, data_key(inputs, recipe))
-    cmd = [sys.executable, "-m", "dstrain", "train", args.recipe] + demo_train_overrides(recipe, args.steps)
+    cmd = [sys.executable, "-m", "dstrain", "train", args.recipe] + overrides
     if subprocess.run(cmd).returncode != 0:
         raise UserError("the training stage failed (its error is printed above)")
     timings["train_s"] = time.perf_counter() - t
@@ -179,8 +197,23 @@ def _run(args, recipe, data_dir: Path, run_dir: Path) -> int:
     logged = lambda line, k: line.get(k if k == "step" else f"train/{k}")  # noqa: E731  metrics.jsonl's names
     summary["train"] = {"start": {k: logged(train["first"], k) for k in keys}, "end": {k: logged(train["last"], k) for k in keys}}
     s0, s1 = summary["train"]["start"], summary["train"]["end"]
-    print(f"[5/7] trained {train['steps']} steps in {timings['train_s']:.0f}s: loss {s0['loss']:.3f} -> {s1['loss']:.3f}, "
+    print(f"[6/9] trained {train['steps']} steps in {timings['train_s']:.0f}s: loss {s0['loss']:.3f} -> {s1['loss']:.3f}, "
           f"tau_hat {s0['tau_hat']:.3f} -> {s1['tau_hat']:.3f}")
+
+    from dstrain.export.formats import exportable_problems
+
+    needs = exportable_problems(recipe.drafter)
+    if not needs:
+        t = time.perf_counter()  # the layout vLLM's speculators loader reads (docs/export.md)
+        exported = run_dir / "export"
+        cmd = [sys.executable, "-m", "dstrain", "export", str(run_folder), str(exported), "--format", "speculators"]
+        if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
+            raise UserError("the export stage failed (its error is printed above)")
+        timings["export_s"] = time.perf_counter() - t
+        summary["export"] = {"folder": str(exported), "format": "speculators"}
+        print(f"[7/9] exported in the speculators format (vLLM's loader reads it): {exported}")
+    else:
+        print(f"[7/9] no export: engines load this drafter only with " + "; ".join(needs))
 
     evaluations = [("held_out", held_prompts, args.eval_prompts, "held-out τ (corpus mix, never trained on")]
     if args.bench_prompts:
@@ -190,7 +223,7 @@ def _run(args, recipe, data_dir: Path, run_dir: Path) -> int:
         drawn = sampled_benchmark_prompts(["math", "code", "chat"], args.bench_prompts, 0)
         bench_prompts.write_text("".join(json.dumps(p) + "\n" for p in drawn))
         evaluations.append(("benchmark", bench_prompts, args.bench_prompts, "benchmark τ (GSM8K / HumanEval / MT-Bench"))
-    for stage, (name, prompts, limit, what) in enumerate(evaluations, start=6):
+    for stage, (name, prompts, limit, what) in enumerate(evaluations, start=8):
         if not limit:
             continue
         t = time.perf_counter()
@@ -202,7 +235,7 @@ def _run(args, recipe, data_dir: Path, run_dir: Path) -> int:
             raise UserError(f"the {name.replace('_', '-')} evaluation failed (its error is printed above)")
         timings[f"{name}_eval_s"] = time.perf_counter() - t
         summary[name] = json.loads((out / "results.json").read_text())
-        print(f"[{stage}/7] {what}, T=1, {args.eval_new_tokens} new tokens): {held_out_line(summary[name])} "
+        print(f"[{stage}/9] {what}, T=1, {args.eval_new_tokens} new tokens): {held_out_line(summary[name])} "
               f"({timings[f'{name}_eval_s']:.0f}s; {out}/results.md)")
     if "held_out" in summary and "benchmark" in summary:
         totals = (rollout_totals(run_dir / "held_out_eval"), rollout_totals(run_dir / "benchmark_eval"))

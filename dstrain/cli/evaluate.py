@@ -2,7 +2,7 @@
 domain, mean proposal length, position-wise conditional acceptance and wall-clock speed versus the target
 alone. Lossless standard rejection sampling at --temperature (0 = greedy).
 
-  dstrain eval --drafter dspark=runs/smollm2-moe-dspark --drafter dflash=exports/dflash --limit 20
+  dstrain eval --drafter dspark=runs/smollm2-dspark --drafter dflash=exports/dflash --limit 20
   dstrain eval --drafter runs/x --prompts my_traffic.jsonl      # {"id","domain","turns":[...]} per line
 
 Drafters are training run folders or exported folders (dstrain export); all must belong to one target. The target

@@ -7,7 +7,7 @@ program that will load it (vLLM, SGLang, or the speculators library): what no re
 line before any weights load; then each engine's verdict on this drafter and this target is printed (loads / refuses /
 version-bound, each with the rule and its source, dstrain/export/engines.py) with vLLM's --speculative-config.
 
-  dstrain export runs/smollm2-moe-dspark exports/smollm2-moe-dspark
+  dstrain export runs/smollm2-dspark exports/smollm2-dspark
 
 --format deepseek-v4 writes a V4 DSpark drafter (one trained on a DeepSeek-V4 target) in DeepSeek-V4's own layout:
 mtp.{i}.* safetensors shards + model.safetensors.index.json + config.json (the target's, with dspark_target_layer_ids,

@@ -7,7 +7,7 @@ aggregate-throughput vs per-user-speed frontier (pareto.png), the verification b
 (budget.png), and serving.json / serving.md with aggregate throughput at per-user speed SLAs.
 
   dstrain simulate --rollouts runs/eval/rollouts.pt --drafter dspark --mtp mtp --sps runs/sps/sps.json \\
-      --sts exports/smollm2-moe-dspark/sts.json
+      --sts exports/smollm2-dspark/sts.json
 """
 
 from __future__ import annotations

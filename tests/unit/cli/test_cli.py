@@ -31,6 +31,7 @@ HELP_NAMES = {
     "data shards": ["--inputs", "--tokenizer", "--samples-per-shard"],
     "data synthetic": ["--recipe", "--out", "--count", "--seed"],
     "data pack": ["--recipe", "--unpack", "--resplit"],
+    "data features": ["--recipe", "overrides", "--samples", "--batch-tokens"],
     "upcycle": ["--recipe", "--dense", "--experts", "--check"],
     "export": ["run", "out", "--format", "speculators"],
     "eval": ["--drafter", "--prompts", "--limit", "--threshold"],
@@ -69,7 +70,7 @@ def test_every_command_has_help_naming_its_arguments():
         missing = [n for n in names if n not in text]
         assert not missing, f"dstrain {command} --help lacks {missing}"
     code, text, _ = call("data", "--help")
-    assert code == 0 and all(sub in text for sub in ("prompts", "regenerate", "shards", "synthetic", "pack"))
+    assert code == 0 and all(sub in text for sub in ("prompts", "regenerate", "shards", "synthetic", "pack", "features"))
 
 
 def test_python_dash_m_and_help_is_fast():
@@ -100,6 +101,14 @@ def test_data_synthetic_writes_the_shards_a_random_target_trains_on(tmp_path):
     assert sum(s["samples"] for s in man["shards"]) == 70
     code, _, err = call("data", "synthetic", "--recipe", "smollm2_moe", "--out", str(tmp_path / "t"))
     assert code == 2 and "dstrain data shards --recipe smollm2_moe" in err and not (tmp_path / "t").exists()
+
+
+def test_data_features_mistakes_are_one_line():
+    """A recipe without a feature cache folder, or a count below one: one line naming the key or option, exit 2."""
+    code, _, err = call("data", "features", "--recipe", "tiny_moe", "data.shards=unused")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "train.feature_cache_dir is not set" in err
+    code, _, err = call("data", "features", "--recipe", "tiny_moe", "--samples", "0")
+    assert code == 2 and "--samples must be at least 1" in err
 
 
 def test_plan_by_name_and_unknown_names():

@@ -171,10 +171,10 @@ def test_demo_compares_held_out_tau_with_benchmark_tau():
 def test_demo_runs_the_recipe_as_it_is_without_steps():
     """`make demo` passes no --steps: the recipe trains as written (this once raised a TypeError before training);
     --steps N shortens it and scales the warmup down only where the recipe's would not fit."""
-    from dstrain.cli.demo import demo_train_overrides
+    from dstrain.cli.demo import demo_train_overrides, parser
     from dstrain.config.schema import load_recipe
 
-    recipe = load_recipe("recipes/smollm2_moe.yaml")
+    recipe = load_recipe(parser(None).get_default("recipe"))
     assert demo_train_overrides(recipe, None) == []
     assert demo_train_overrides(recipe, 50) == ["train.steps=50", f"train.warmup_steps={min(recipe.train.warmup_steps, 5)}"]
     assert demo_train_overrides(recipe, 10_000)[1] == f"train.warmup_steps={recipe.train.warmup_steps}"

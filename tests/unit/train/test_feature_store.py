@@ -174,15 +174,23 @@ def test_a_training_run_reuses_the_cache_of_a_previous_run(tmp_path):
     synthetic_shards(str(shards), "tiny-moe", 512, 24, seed=0)
     args = ["dstrain/main.py", "recipes/tiny_moe.yaml", f"data.shards={shards}", "train.steps=4", "train.warmup_steps=1", "train.log_every=2",
             "train.checkpoint_every=100", f"train.feature_cache_dir={tmp_path / 'cache'}"]
+    # `dstrain data features` fills a cache of its own with what those 4 steps read first (the run's order), and
+    # nothing more; a second fill finds them all
+    filled = f"train.feature_cache_dir={tmp_path / 'filled'}"
+    fill = [sys.executable, "-m", "dstrain", "data", "features", "--recipe", *args[1:3], filled, "--samples", "8", "--json"]
+    first, again = (json.loads(run_tool(*fill[1:]).stdout.splitlines()[-1]) for _ in range(2))
+    assert (first["computed"], first["cached_before"], again["computed"], again["cached_before"]) == (8, 0, 0, 8)
+    assert len(list((tmp_path / "filled").rglob("*.feat"))) == 8
     summaries = []
-    for name in ("uncached", "cold", "warm"):
+    for name in ("uncached", "cold", "warm", "filled"):
         out = run_tool(*args, f"run.output_dir={tmp_path}", f"run.name={name}",
-                       *(["train.feature_cache_dir=null"] if name == "uncached" else []))
+                       *(["train.feature_cache_dir=null"] if name == "uncached" else [filled] if name == "filled" else []))
         assert ("feature cache" in out.stdout) == (name != "uncached")
         summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
-    cold, warm = (s["feature_cache"] for s in summaries[1:])
+    cold, warm, after_fill = (s["feature_cache"] for s in summaries[1:])
     assert cold["feature_cache/misses"] == 8 and cold["feature_cache/written"] == 8  # 4 steps x 2 sequences
-    assert warm["feature_cache/hits"] == 8 and warm["feature_cache/misses"] == 0
+    for hit in (warm, after_fill):
+        assert hit["feature_cache/hits"] == 8 and hit["feature_cache/misses"] == 0
     # the same features and the same frozen embedding / LM head (read from the checkpoint when the cache is on)
     assert len({s["last"]["train/loss"] for s in summaries}) == 1, [s["last"]["train/loss"] for s in summaries]
 
@@ -218,3 +226,18 @@ def test_a_superset_store_serves_runs_with_other_capture_layers(tmp_path, tiny):
     narrow = cached.model_copy(update={"train": cached.train.model_copy(update={"feature_cache_layers": [union[-1]]})})
     with pytest.raises(UserError, match="lacks the run's capture layers"):
         cached_layers(narrow, from_target(target))
+
+
+def test_the_fill_batches_by_length_within_the_token_budget():
+    """`dstrain data features` runs the target on length-sorted batches: every sample once, no batch's padded size
+    (rows x its longest row) above the budget, one row even when that row alone is longer."""
+    from dstrain.train.feature_fill import fill_order
+
+    lengths = [30, 500, 12, 41, 260, 2100, 255, 64, 64, 7]
+    samples = [Sample(torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.bool), {"id": f"s{i}"})
+               for i, n in enumerate(lengths)]
+    batches = fill_order(samples, batch_tokens=512)
+    flat = [len(s.input_ids) for b in batches for s in b]
+    assert flat == sorted(lengths)
+    assert all(len(b) * max(len(s.input_ids) for s in b) <= 512 for b in batches if len(b) > 1)
+    assert [[len(s.input_ids) for s in b] for b in batches] == [[7, 12, 30, 41, 64, 64], [255], [260], [500], [2100]]
