@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 from dstrain import capabilities
 
+# The hand-over (engine → drafter ranks): each token's m captured layers and its final pre-norm state, d wide, in the
+# engine's BF16 (dstrain/targets/vllm.py: vLLM's ids [i + 1 for each capture layer] + [num_layers]), and its token id.
+NIC_GBPS = 400  # per GPU: one 400 Gb/s NIC (ConnectX-7) per GPU on DGX/HGX H100 and H200 nodes' compute fabric
+FIELD_TOKENS_PER_S = 125_000  # speculators' GB300 run: 9 vLLM nodes serving GLM 5.2 FP8 prefilled 125k tokens/s
 WEIGHT_SHARE = 0.7  # of a GPU's memory for weights; vLLM's default gpu_memory_utilization (0.9) keeps the rest for KV
 PEAK_BF16 = 989e12  # H100 / H200 dense BF16 FLOP/s
 MFU = 0.4  # assumed for both sides
@@ -30,6 +34,12 @@ class Served:
     tokens_per_s_needed: float  # features the drafter ranks consume
     tokens_per_s_per_gpu: float  # what one target GPU prefills
     gpus_for_features: int  # target GPUs that prefill as fast as the drafters consume
+    handover_bytes_per_token: int  # what the engine puts in the store per token
+
+
+def handover_bytes(hidden: int, captured: int) -> int:
+    """Bytes a served token hands over: its captured layers and final state in BF16, and its int32 token id."""
+    return (captured + 1) * hidden * 2 + 4
 
 
 def _gpus(gib: float, per_gpu: float, per_node: int) -> int:
@@ -54,7 +64,8 @@ def served(plan) -> Served | None:
     need = w.drafter_ranks * plan.recipe.data.max_length * rate / f.drafter_per_sequence
     per_gpu = rate / f.target_per_token
     return Served(served_b / 2**30, s.params * 2 / 2**30, bits, _gpus(served_b / 2**30, w.gpu_memory_gib, per_node),
-                  _gpus(s.params * 2 / 2**30, w.gpu_memory_gib, per_node), need, per_gpu, math.ceil(need / per_gpu))
+                  _gpus(s.params * 2 / 2**30, w.gpu_memory_gib, per_node), need, per_gpu, math.ceil(need / per_gpu),
+                  handover_bytes(s.hidden_size, len(plan.capture_layers)))
 
 
 def served_lines(plan) -> list[str]:
@@ -68,4 +79,19 @@ def served_lines(plan) -> list[str]:
             f"{v.gpus_served} GPU(s) per replica; megatron's BF16 copy {v.bf16_gib:.1f} GiB -> {v.gpus_bf16}",
             f"           the drafter ranks consume ~{v.tokens_per_s_needed:,.0f} target tokens/s, one target GPU prefills "
             f"~{v.tokens_per_s_per_gpu:,.0f} (both at {MFU:.0%} of {PEAK_BF16 / 1e12:.0f} TFLOP/s): target GPUs to keep "
-            f"up: vLLM {gpus(v.gpus_served)}, megatron BF16 {gpus(v.gpus_bf16)} (whole replicas)"]
+            f"up: vLLM {gpus(v.gpus_served)}, megatron BF16 {gpus(v.gpus_bf16)} (whole replicas)",
+            *handover_lines(plan, v)]
+
+
+def handover_lines(plan, v: Served) -> list[str]:
+    """The hand-over's bytes per second, per replica at its prefill rate and at the field's 125k tokens/s, against the
+    NICs a replica's features leave its node through (drafter ranks on nodes of their own)."""
+    per_token, m = v.handover_bytes_per_token, len(plan.capture_layers)
+    replica_rate = v.tokens_per_s_per_gpu * v.gpus_served
+    replica_bps, link_bps = replica_rate * per_token, v.gpus_served * NIC_GBPS * 1e9 / 8
+    field_bps = FIELD_TOKENS_PER_S * per_token
+    return [f"           hand-over: ({m} captured + final) x d {plan.sizes.hidden_size} x 2 B + the token id = "
+            f"{per_token / 1024:.1f} KiB a token; a replica prefilling ~{replica_rate:,.0f} tokens/s puts "
+            f"{replica_bps / 1e9:.2f} GB/s, {replica_bps / link_bps:.1%} of its {v.gpus_served} GPUs' NICs "
+            f"({v.gpus_served} x {NIC_GBPS} Gb/s); at {FIELD_TOKENS_PER_S:,} tokens/s (speculators' GLM 5.2 run) all "
+            f"replicas put {field_bps / 1e9:.2f} GB/s"]
