@@ -58,8 +58,22 @@ class VllmEngine:
 
     def __init__(self, python: Path, model: str, layer_ids: list[int], dtype: str, max_model_len: int,
                  tensor_parallel: int = 1, timeout_s: float = 300.0, start_timeout_s: float = 900.0,
-                 bytes_per_value: int = 4, transport: str = "files"):
+                 bytes_per_value: int = 4, transport: str = "files", hidden_size: int = 0, rows_in_flight: int = 1):
         base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        # the planned bytes of one batch (its rows at full length, every captured layer): refused before the engine
+        # starts when the hand-over cannot hold them, else the store sized for them
+        row_bytes = max_model_len * len(layer_ids) * hidden_size * bytes_per_value
+        in_flight = rows_in_flight * row_bytes
+        if transport == "files" and in_flight > (free := shutil.disk_usage(base or tempfile.gettempdir()).free):
+            raise UserError(f"target.backend=vllm: {rows_in_flight} row(s) of {max_model_len} tokens need "
+                            f"{in_flight / 2**20:.1f} MiB of hidden states in {base or tempfile.gettempdir()} but "
+                            f"{free / 2**20:.1f} MiB are free there: give the container a larger /dev/shm (docker run "
+                            "--shm-size, Docker's default is 64 MiB), use target.engine_transport=mooncake, or lower "
+                            "train.micro_batch_size / data.max_length")
+        if transport == "mooncake":
+            from dstrain.transport.mooncake import available_memory, store_sizes
+
+            segment_mib, buffer_mib = store_sizes(in_flight, row_bytes, available_memory())
         self.scratch = Path(tempfile.mkdtemp(prefix=f"dstrain-vllm-{os.getpid()}-", dir=base))  # whose it is: pid
         self.log = deque(maxlen=40)  # vLLM's last lines, for the one-line error when it dies
         self.master = self.store = None
@@ -68,11 +82,11 @@ class VllmEngine:
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "TQDM_DISABLE": "1"}
         extra = []
         if transport == "mooncake":
-            from dstrain.transport.mooncake import MooncakeMaster, SampleStore
+            from dstrain.transport.mooncake import CLIENT_SEGMENT_MIB, MooncakeMaster, SampleStore
 
             try:
                 self.master = MooncakeMaster()  # this client's own, on 127.0.0.1 (one host); stopped with it
-                self.store = SampleStore(self.master.address, segment_mib=64, buffer_mib=256)
+                self.store = SampleStore(self.master.address, segment_mib=CLIENT_SEGMENT_MIB, buffer_mib=buffer_mib)
             except UserError as err:
                 if self.master is not None:
                     self.master.stop()
@@ -86,6 +100,7 @@ class VllmEngine:
             path.mkdir()
             (path / "dstrain").symlink_to(Path(__file__).resolve().parents[1])
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
+            env["DSTRAIN_MOONCAKE_SEGMENT_MIB"], env["DSTRAIN_MOONCAKE_BUFFER_MIB"] = str(segment_mib), str(buffer_mib)
             extra = ["--mooncake-master", self.master.address]
         self.proc = subprocess.Popen(
             [str(python), str(SERVER), "--model", model, "--layer-ids", ",".join(map(str, layer_ids)), "--dtype", dtype,
@@ -233,7 +248,7 @@ class VllmTarget:
 
     device = torch.device("cpu")
 
-    def __init__(self, target_cfg, seed: int = 0, max_length: int | None = None):
+    def __init__(self, target_cfg, seed: int = 0, max_length: int | None = None, rows: int = 1):
         from dstrain.targets.folders import checkpoint_folder
         from dstrain.targets.frozen import load_frozen_parts
         from dstrain.targets.hf import DTYPES
@@ -254,7 +269,8 @@ class VllmTarget:
                                  timeout_s=getattr(target_cfg, "engine_timeout_s", 300.0),
                                  start_timeout_s=getattr(target_cfg, "engine_start_timeout_s", 900.0),
                                  bytes_per_value=DTYPES[target_cfg.dtype].itemsize,
-                                 transport=getattr(target_cfg, "engine_transport", "files"))
+                                 transport=getattr(target_cfg, "engine_transport", "files"),
+                                 hidden_size=self.hidden_size, rows_in_flight=rows)
 
     @property
     def embedding(self) -> nn.Embedding:

@@ -56,7 +56,7 @@ def fill_feature_cache(recipe, limit: int | None = None, batch_tokens: int = 204
         return result
     t = time.perf_counter()
     target = colocated_target(recipe.target.model_copy(update={"capture_layers": stored}), recipe.run.seed, device,
-                              recipe.data.max_length)
+                              recipe.data.max_length, max(1, -(-batch_tokens // recipe.data.max_length)))
     result["load_s"] = time.perf_counter() - t
     total = sum(len(s.input_ids) for s in todo)
     t = time.perf_counter()

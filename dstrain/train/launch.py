@@ -76,13 +76,15 @@ def _train(recipe, run_dir: Path) -> int:
             frozen.embedding.to(world.device), frozen.lm_head.to(world.device)
             stored = cached_layers(recipe, frozen)
             target_cfg = recipe.target.model_copy(update={"capture_layers": stored})
-            target = LazyTarget(lambda: colocated_target(target_cfg, recipe.run.seed, world.device, recipe.data.max_length), world.device)
+            target = LazyTarget(lambda: colocated_target(target_cfg, recipe.run.seed, world.device, recipe.data.max_length,
+                                                         recipe.train.micro_batch_size), world.device)
             cache = open_store(recipe, stored, world.device.type, memory=cache,
                                read=[stored.index(i) for i in frozen.capture_layers])
         else:
             from dstrain.targets.frozen import from_target
 
-            target = colocated_target(recipe.target, recipe.run.seed, world.device, recipe.data.max_length)
+            target = colocated_target(recipe.target, recipe.run.seed, world.device, recipe.data.max_length,
+                                      recipe.train.micro_batch_size)
             frozen = from_target(target)  # the target's own embedding and LM head: on world.device with it
         source = LocalSource(target, make_loader(recipe, world.rank, world.world_size), recipe, cache, world.device,
                              vocab=frozen.lm_head.weight.shape[0])

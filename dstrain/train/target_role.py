@@ -30,7 +30,8 @@ def load_role_target(recipe, world):
                                     recipe.world.target.pipeline_layers)
     from dstrain.targets import colocated_target
 
-    return colocated_target(recipe.target, recipe.run.seed, world.device, recipe.data.max_length)
+    return colocated_target(recipe.target, recipe.run.seed, world.device, recipe.data.max_length,
+                            recipe.train.micro_batch_size)
 
 
 def row_coords(lengths: list[int], rows: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

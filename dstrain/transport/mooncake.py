@@ -46,6 +46,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+EVICTION_SHARE = 0.9  # the master evicts unread objects once a segment is this full
+FILL_SHARE = 0.8  # what a run plans to keep in flight, below it
+MIN_SEGMENT_MIB, MIN_BUFFER_MIB, CLIENT_SEGMENT_MIB = 512, 256, 64
+
+
+def store_sizes(in_flight_bytes: int, part_bytes: int, available_bytes: int) -> tuple[int, int]:
+    """(the engine's segment, each client's local buffer) in MiB for a run that keeps `in_flight_bytes` in the store
+    and gets parts of up to `part_bytes`: the bytes in flight stay under the eviction threshold with a margin, and a
+    part fits the buffer it is read through (-600 otherwise). Refused in one line before anything starts when this
+    host cannot hold them."""
+    segment = max(MIN_SEGMENT_MIB, -(-int(in_flight_bytes / FILL_SHARE) >> 20))
+    buffer = max(MIN_BUFFER_MIB, -(-int(part_bytes * 1.05) >> 20))
+    need = (segment + CLIENT_SEGMENT_MIB + 2 * buffer) << 20  # the engine's segment and buffer, the client's
+    if need > available_bytes:
+        raise UserError(f"Mooncake Store: {in_flight_bytes / 2**20:.0f} MiB of features in flight need a {segment} MiB "
+                        f"segment and {buffer} MiB buffers ({need / 2**30:.1f} GiB in all) but this host has "
+                        f"{available_bytes / 2**30:.1f} GiB available: lower train.micro_batch_size or data.max_length")
+    return segment, buffer
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo (the kernel's estimate of what can be allocated without swapping)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class MooncakeMaster:
     """The store's master for a run on one host (and the tests): `mooncake_master` on 127.0.0.1, stopped with us."""
 

@@ -6,6 +6,7 @@ same drafter against the vllm backend as against the hf backend (losses within t
 The engine tests need .venv-engine: under CI a missing one is a failure (conftest: a skip fails), and `make test`
 installs it first."""
 
+import glob
 import json
 import os
 import shutil
@@ -257,6 +258,13 @@ def test_a_silent_server_and_a_small_dev_shm_are_one_line(tmp_path):
     with pytest.raises(UserError, match=f"need .* MiB in {huge.scratch} but .* MiB are free there: .*--shm-size"):
         huge.capture([[5, 6, 7]])
     huge.close(kill=True)
+    # the planned batch (rows at full length, every captured layer) is refused before any engine starts
+    leftovers = lambda: set(glob.glob(f"/dev/shm/dstrain-vllm-{os.getpid()}-*"))  # noqa: E731
+    before = leftovers()
+    with pytest.raises(UserError, match="2 row\\(s\\) of 64 tokens need .* MiB of hidden states in .* but .* MiB are "
+                                        "free there: .*target.engine_transport=mooncake"):
+        VllmEngine(tmp_path / "never-started", str(tmp_path), [1, 2], "float32", 64, hidden_size=2**40, rows_in_flight=2)
+    assert leftovers() == before
 
 
 def test_the_server_dies_with_the_rank_that_started_it(tmp_path):
