@@ -213,7 +213,7 @@ def _run(args, recipe, data_dir: Path, run_dir: Path) -> int:
         summary["export"] = {"folder": str(exported), "format": "speculators"}
         print(f"[7/9] exported in the speculators format (vLLM's loader reads it): {exported}")
     else:
-        print(f"[7/9] no export: engines load this drafter only with " + "; ".join(needs))
+        print("[7/9] no export: engines load this drafter only with " + "; ".join(needs))
 
     evaluations = [("held_out", held_prompts, args.eval_prompts, "held-out τ (corpus mix, never trained on")]
     if args.bench_prompts:
