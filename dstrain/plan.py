@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dstrain import capabilities
 from dstrain.errors import UserError
 from dstrain.sim.served import served_lines
 from dstrain.sim.flops import StepFlops, balance_verdict, meta_drafter, sequence_parallel, stage_layers, step_flops
@@ -282,9 +283,15 @@ def memory_verdict(plan: Plan) -> str | None:
         totals = {"colocated rank": sum(totals.values())}
     weights = plan.memory.get("target rank", {}).get("weights", 0.0)
     if plan.recipe.target.backend == "hf" and weights > w.gpu_memory_gib:
-        return (f"the hf backend holds a whole target replica per rank, and its weights alone need ~{weights:.1f} GiB "
-                f"(dry-run estimate) against world.gpu_memory_gib={w.gpu_memory_gib:g}: serve it sharded with "
-                "target.backend=megatron (dstrain plan with it says whether this family builds there)")
+        said = (f"the hf backend holds a whole target replica per rank, and its weights alone need ~{weights:.1f} GiB "
+                f"(dry-run estimate) against world.gpu_memory_gib={w.gpu_memory_gib:g}: ")
+        cap = capabilities.of_config(plan.target_config)
+        if cap is not None and cap.megatron_refusal:  # sending the user to megatron would send them to a refusal
+            return said + (f"no backend of this version serves {cap.model_type} at this size: target.backend=megatron "
+                           "does not build it (docs/targets.md says why), so only configs small enough for one rank "
+                           "run (the family's tiny variant in the tests)")
+        return said + ("serve it sharded with target.backend=megatron (dstrain plan with it says whether this family "
+                       "builds there)")
     for role, total in totals.items():
         if total > w.gpu_memory_gib:
             return (f"a {role} needs ~{total:.1f} GiB (dry-run estimate) but world.gpu_memory_gib={w.gpu_memory_gib:g}:"

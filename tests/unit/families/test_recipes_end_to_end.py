@@ -42,8 +42,9 @@ def test_real_size_plan_prints(family, capsys):
     text = format_plan(plan, RECIPES[family])
     assert "node 0: GPUs 0-7" in text and "memory per rank" in text and "not present here" in text, text
     verdict = memory_verdict(plan)
-    if family == "glm5":  # a whole bf16 replica per GPU cannot hold 744B parameters: said, with the fix
-        assert verdict.startswith("the hf backend holds a whole target replica per rank") and "GiB" in verdict
+    if family == "glm5":  # a whole bf16 replica per GPU cannot hold 744B parameters, and megatron refuses the family:
+        assert verdict.startswith("the hf backend holds a whole target replica per rank") and "GiB" in verdict  # said
+        assert "no backend of this version serves glm_moe_dsa" in verdict and "target.backend=megatron (" not in verdict
     else:
         assert verdict is None, verdict
     if LAYOUT[family] is not None:
