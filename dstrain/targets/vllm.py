@@ -53,6 +53,11 @@ def vllm_layer_ids(capture_layers: list[int], num_layers: int) -> list[int]:
     return [i + 1 for i in capture_layers] + [num_layers]
 
 
+# what to do when the files' hand-over has no room, before the engine starts or before a batch is sent
+SHM_FIX = ("give the container a larger /dev/shm (docker run --shm-size, Docker's default is 64 MiB), use "
+           "target.engine_transport=mooncake, or lower train.micro_batch_size / data.max_length")
+
+
 class VllmEngine:
     """The server process: rows of token ids in, [tokens, ids, hidden] per row out. Every wait on it has a limit."""
 
@@ -67,9 +72,7 @@ class VllmEngine:
         if transport == "files" and in_flight > (free := shutil.disk_usage(base or tempfile.gettempdir()).free):
             raise UserError(f"target.backend=vllm: {rows_in_flight} row(s) of {max_model_len} tokens need "
                             f"{in_flight / 2**20:.1f} MiB of hidden states in {base or tempfile.gettempdir()} but "
-                            f"{free / 2**20:.1f} MiB are free there: give the container a larger /dev/shm (docker run "
-                            "--shm-size, Docker's default is 64 MiB), use target.engine_transport=mooncake, or lower "
-                            "train.micro_batch_size / data.max_length")
+                            f"{free / 2**20:.1f} MiB are free there: {SHM_FIX}")
         if transport == "mooncake":
             from dstrain.transport.mooncake import available_memory, store_sizes
 
@@ -165,8 +168,7 @@ class VllmEngine:
         free = shutil.disk_usage(self.scratch).free
         if need > free:
             raise UserError(f"target.backend=vllm: a batch's hidden states need {need / 2**20:.1f} MiB in {self.scratch} "
-                            f"but {free / 2**20:.1f} MiB are free there: give the container a larger /dev/shm (docker run "
-                            "--shm-size, Docker's default is 64 MiB) or lower train.micro_batch_size / data.max_length")
+                            f"but {free / 2**20:.1f} MiB are free there: {SHM_FIX}")
 
     def capture(self, rows: list[list[int]]) -> list[torch.Tensor]:
         from safetensors.torch import load_file
